@@ -1,0 +1,232 @@
+"""Typed configs: dataclasses loaded from YAML recipes with dotted overrides, validated on load.
+
+Every component owns a small ``@dataclass`` config with a ``help`` string per field
+(``field(default=..., metadata={"help": ...})``). :func:`from_dict` builds one from plain data
+and rejects unknown keys and wrong types with a :class:`ConfigError` that names the dotted path
+of the field; components add their own consistency checks in a ``validate()`` method that
+raises :class:`ConfigError` too. The CLI turns a ``ConfigError`` into one line and exit code 2.
+
+No string in a config ever names code to import: components are chosen by plain names that
+the code maps to builders itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+from latentforge.errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "field_help",
+    "from_dict",
+    "to_dict",
+    "apply_overrides",
+    "load_yaml",
+    "load_config",
+    "save_config",
+]
+
+
+def field_help(cfg_cls: type) -> dict[str, str]:
+    """The ``help`` text of each field of a config dataclass (for ``--help`` and docs)."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cfg_cls)}
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and return it in canonical form."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{path}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+            return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item_tp = args[0] if args else Any
+        items = [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        ktp, vtp = get_args(tp) or (Any, Any)
+        return {_coerce(k, ktp, f"{path}.{k}"): _coerce(v, vtp, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return from_dict(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported config type {_type_name(tp)}")
+
+
+def from_dict(cfg_cls: type, data: Any, path: str = "") -> Any:
+    """Build the dataclass ``cfg_cls`` from a mapping, validating keys, types and consistency."""
+    where = path or cfg_cls.__name__
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cfg_cls)
+    fields = {f.name: f for f in dataclasses.fields(cfg_cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise ConfigError(f"{key}: unknown key (valid keys here: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], f"{path}.{name}" if path else name)
+    missing = [
+        n for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        key = f"{path}.{missing[0]}" if path else missing[0]
+        raise ConfigError(f"{key}: required but not set")
+    cfg = cfg_cls(**kwargs)
+    validate = getattr(cfg, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError as e:
+            # Components raise with field-relative names; prefix the path of this section.
+            msg = str(e)
+            raise ConfigError(f"{path}.{msg}" if path and not msg.startswith(path) else msg) from None
+    return cfg
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain data (dicts, lists, scalars) for a config, suitable for YAML/JSON."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.path=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to plain config data.
+
+    List items are addressed by index (``phases.1.steps=100``).
+    """
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for text in overrides:
+        keys, value = _parse_override(text)
+        node: Any = data
+        for i, k in enumerate(keys[:-1]):
+            where = ".".join(keys[: i + 1])
+            if isinstance(node, list):
+                if not k.isdigit() or int(k) >= len(node):
+                    raise ConfigError(f"{where}: no list item {k}")
+                node = node[int(k)]
+                continue
+            if node.get(k) is None:
+                node[k] = {}
+            node = node[k]
+            if not isinstance(node, (dict, list)):
+                raise ConfigError(f"{where}: is a value, cannot set {keys[i + 1]!r} inside it")
+        last = keys[-1]
+        if isinstance(node, list):
+            if not last.isdigit() or int(last) >= len(node):
+                raise ConfigError(f"{'.'.join(keys)}: no list item {last}")
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return data
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe {path}: file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"recipe {path}{where}: invalid YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {path}: top level must be a mapping")
+    return data
+
+
+def load_config(cfg_cls: type, recipe: str | Path | None = None, overrides: list[str] | None = None) -> Any:
+    """Load ``cfg_cls`` from an optional YAML recipe plus dotted overrides."""
+    data = load_yaml(recipe) if recipe else {}
+    data = apply_overrides(data, list(overrides or []))
+    return from_dict(cfg_cls, data)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config as YAML (next to every output, for provenance)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)

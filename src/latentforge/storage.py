@@ -1,0 +1,186 @@
+"""Where bytes live: a local path or ``s3://bucket/prefix``, behind a handful of functions.
+
+S3 goes through boto3. The endpoint comes from boto3's own configuration (``AWS_ENDPOINT_URL``
+or ``AWS_ENDPOINT_URL_S3`` for S3-compatible servers, credentials from the usual chain), so
+nothing here is specific to one provider. Local writes are atomic (temp file + fsync + rename).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterable
+
+from latentforge.errors import UserError
+
+_S3 = "s3://"
+_local = threading.local()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    uri: str
+    size: int
+
+
+def is_s3(uri: str) -> bool:
+    return str(uri).startswith(_S3)
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    rest = str(uri)[len(_S3):]
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise UserError(f"{uri}: an S3 address needs a bucket (s3://bucket/prefix)")
+    return bucket, key
+
+
+def s3_client():
+    """One boto3 client per process and thread (boto3 clients are not fork-safe)."""
+    key = os.getpid()
+    client = getattr(_local, "clients", {}).get(key)
+    if client is None:
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.session.Session().client(
+            "s3", config=Config(retries={"max_attempts": 5, "mode": "standard"})
+        )
+        _local.clients = {key: client}
+    return client
+
+
+def join(base: str, *parts: str) -> str:
+    if is_s3(base):
+        out = str(base).rstrip("/")
+        for p in parts:
+            out += "/" + str(p).strip("/")
+        return out
+    return str(Path(base, *parts))
+
+
+def basename(uri: str) -> str:
+    return str(uri).rstrip("/").rsplit("/", 1)[-1]
+
+
+def exists(uri: str) -> bool:
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        from botocore.exceptions import ClientError
+
+        try:
+            s3_client().head_object(Bucket=bucket, Key=key)
+            return True
+        except ClientError:
+            return False
+    return Path(uri).exists()
+
+
+def is_dir(uri: str) -> bool:
+    """A local directory, or an S3 prefix with at least one object under it."""
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        prefix = key.rstrip("/") + "/" if key else ""
+        resp = s3_client().list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
+        return resp.get("KeyCount", 0) > 0
+    return Path(uri).is_dir()
+
+
+def list_files(uri: str, suffixes: Iterable[str] | None = None, recursive: bool = True) -> list[FileEntry]:
+    """Files under a directory or prefix (or the single file ``uri``), sorted by address."""
+    sfx = tuple(s.lower() for s in suffixes) if suffixes else None
+    out: list[FileEntry] = []
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        client = s3_client()
+        if key and not key.endswith("/"):
+            from botocore.exceptions import ClientError
+
+            try:  # a single object
+                return [FileEntry(uri, client.head_object(Bucket=bucket, Key=key)["ContentLength"])]
+            except ClientError:
+                pass  # not an object: a prefix
+        prefix = key.rstrip("/") + "/" if key else ""
+        kwargs = {"Bucket": bucket, "Prefix": prefix}
+        if not recursive:
+            kwargs["Delimiter"] = "/"
+        for page in client.get_paginator("list_objects_v2").paginate(**kwargs):
+            for obj in page.get("Contents", []):
+                name = obj["Key"]
+                if sfx is None or name.lower().endswith(sfx):
+                    out.append(FileEntry(f"s3://{bucket}/{name}", obj["Size"]))
+    else:
+        p = Path(uri)
+        if p.is_file():
+            return [FileEntry(str(p), p.stat().st_size)]
+        if not p.is_dir():
+            raise UserError(f"{uri}: no such file or directory")
+        it = p.rglob("*") if recursive else p.iterdir()
+        for f in it:
+            if f.is_file() and (sfx is None or f.name.lower().endswith(sfx)):
+                out.append(FileEntry(str(f), f.stat().st_size))
+    out.sort(key=lambda e: e.uri)
+    return out
+
+
+def read_bytes(uri: str) -> bytes:
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    return Path(uri).read_bytes()
+
+
+def open_stream(uri: str) -> BinaryIO:
+    """A readable binary stream (S3 objects are streamed, not loaded whole)."""
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        return s3_client().get_object(Bucket=bucket, Key=key)["Body"]
+    return open(uri, "rb")
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write a local file so that it exists either whole or not at all."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        s3_client().put_object(Bucket=bucket, Key=key, Body=data)  # S3 puts are atomic
+    else:
+        atomic_write_bytes(uri, data)
+
+
+def download(uri: str, local_path: str | Path) -> None:
+    """Copy ``uri`` to a local file atomically (S3 in chunks, never whole in memory)."""
+    local_path = Path(local_path)
+    local_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = local_path.with_name(f".{local_path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open_stream(uri) as src, open(tmp, "wb") as dst:
+        while chunk := src.read(8 << 20):
+            dst.write(chunk)
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, local_path)
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def as_bytes_io(data: bytes) -> io.BytesIO:
+    return io.BytesIO(data)

@@ -1,0 +1,88 @@
+"""The typed config system: types, unknown keys, overrides, validation messages."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from latentforge.config import ConfigError, apply_overrides, from_dict, load_config, to_dict
+
+
+@dataclass
+class Inner:
+    rate: float = field(default=0.1, metadata={"help": "a rate"})
+    mode: Literal["a", "b"] = "a"
+
+    def validate(self):
+        if not 0 <= self.rate < 1:
+            raise ConfigError("rate: must be in [0, 1)")
+
+
+@dataclass
+class Outer:
+    steps: int = 10
+    name: str = "x"
+    sizes: list[int] = field(default_factory=lambda: [1, 2])
+    inner: Inner = field(default_factory=Inner)
+    opt: int | None = None
+    table: dict[str, float] = field(default_factory=dict)
+
+
+def test_defaults_and_round_trip():
+    cfg = from_dict(Outer, {})
+    assert cfg == Outer()
+    assert from_dict(Outer, to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"stepz": 1}, "stepz: unknown key"),
+        ({"steps": "many"}, "steps: expected an integer"),
+        ({"steps": True}, "steps: expected an integer"),
+        ({"inner": {"rate": 2.0}}, "inner.rate: must be in [0, 1)"),
+        ({"inner": {"mode": "c"}}, "inner.mode: must be one of"),
+        ({"inner": {"nope": 1}}, "inner.nope: unknown key"),
+        ({"sizes": [1, "x"]}, "sizes[1]: expected an integer"),
+        ({"table": {"a": "b"}}, "table.a: expected a number"),
+    ],
+)
+def test_errors_name_the_field(data, message):
+    with pytest.raises(ConfigError) as e:
+        from_dict(Outer, data)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_int_accepted_for_float_and_optional():
+    cfg = from_dict(Outer, {"inner": {"rate": 0}, "opt": None})
+    assert cfg.inner.rate == 0.0 and isinstance(cfg.inner.rate, float)
+    assert from_dict(Outer, {"opt": 3}).opt == 3
+
+
+def test_overrides_parse_yaml_values_and_nest():
+    data = apply_overrides({"steps": 1}, ["steps=5", "inner.rate=0.5", "name=hello world", "sizes=[3, 4]"])
+    cfg = from_dict(Outer, data)
+    assert (cfg.steps, cfg.inner.rate, cfg.name, cfg.sizes) == (5, 0.5, "hello world", [3, 4])
+
+
+def test_override_list_items_and_errors():
+    assert apply_overrides({"a": [{"x": 1}, {"x": 2}]}, ["a.1.x=7"]) == {"a": [{"x": 1}, {"x": 7}]}
+    with pytest.raises(ConfigError, match="a.5: no list item"):
+        apply_overrides({"a": [{"x": 1}]}, ["a.5.x=1"])
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        apply_overrides({}, ["nonsense"])
+    with pytest.raises(ConfigError, match="steps: is a value"):
+        apply_overrides({"steps": 1}, ["steps.x=1"])
+
+
+def test_load_config_from_yaml(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("steps: 3\ninner:\n  mode: b\n")
+    cfg = load_config(Outer, p, ["inner.rate=0.2"])
+    assert (cfg.steps, cfg.inner.mode, cfg.inner.rate) == (3, "b", 0.2)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: [\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(Outer, bad)
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(Outer, tmp_path / "missing.yaml")

@@ -1,0 +1,145 @@
+"""Per-sample decode/normalise/filter/resize: every bad input is a Reject with a reason."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from latentforge.data import imageproc as ip
+
+
+def _bytes(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+CFG = ip.ImageConfig(resolution=32, format="png")
+FILTERS = ip.FilterConfig()
+
+
+def _decode_out(p: ip.ProcessedImage) -> np.ndarray:
+    img = Image.open(io.BytesIO(p.data))
+    assert img.mode == "RGB" and img.size == (p.width, p.height)
+    return np.asarray(img)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "1", "RGBA", "LA", "P", "CMYK", "I;16", "I", "F"])
+def test_every_mode_becomes_rgb(mode):
+    rgb = Image.new("RGB", (48, 40), (200, 30, 40))
+    img = rgb.convert(mode) if mode not in ("I;16", "I", "F") else Image.new(mode, (48, 40), 1000 if mode != "F" else 0.5)
+    fmt = {"CMYK": "JPEG", "I": "TIFF", "F": "TIFF"}.get(mode, "PNG")
+    out = ip.process_image(_bytes(img, fmt), CFG, FILTERS)
+    arr = _decode_out(out)
+    assert arr.shape == (32, 32, 3)
+    assert (out.orig_width, out.orig_height) == (48, 40)
+    if mode in ("RGB", "CMYK"):
+        assert abs(int(arr[..., 0].mean()) - 200) < 12 and arr[..., 1].mean() < 60
+
+
+def test_alpha_is_composited_on_white():
+    img = Image.new("RGBA", (32, 32), (255, 0, 0, 0))  # fully transparent red
+    arr = _decode_out(ip.process_image(_bytes(img, "PNG"), CFG, FILTERS))
+    assert arr.min() == 255
+
+
+def test_palette_with_transparency():
+    img = Image.new("P", (32, 32), 0)
+    img.putpalette([0, 0, 0] * 256)
+    img.info["transparency"] = 0
+    arr = _decode_out(ip.process_image(_bytes(img, "PNG", transparency=0), CFG, FILTERS))
+    assert arr.min() == 255
+
+
+def test_16bit_is_scaled_not_clipped():
+    img = Image.new("I;16", (32, 32), 65535 // 2)
+    arr = _decode_out(ip.process_image(_bytes(img, "PNG"), CFG, FILTERS))
+    assert 120 <= arr.mean() <= 135
+
+
+def test_exif_orientation_is_applied():
+    img = Image.new("RGB", (64, 32), (0, 0, 255))
+    img.paste((255, 0, 0), (0, 0, 32, 32))  # left half red
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 clockwise on display
+    data = _bytes(img, "JPEG", exif=exif.tobytes(), quality=95)
+    out = ip.process_image(data, ip.ImageConfig(resolution=16, format="png"), FILTERS)
+    assert (out.orig_width, out.orig_height) == (32, 64)  # portrait after orientation
+    arr = _decode_out(out)
+    assert arr.shape == (16, 16, 3)
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"", "empty_file"),
+        (b"this is not an image at all", "not_an_image"),
+        (_bytes(Image.new("RGB", (64, 64), (1, 2, 3)), "PNG")[:60], "corrupt_image"),
+    ],
+)
+def test_bad_bytes_are_rejected(data, reason):
+    with pytest.raises(ip.Reject) as e:
+        ip.process_image(data, CFG, FILTERS)
+    assert e.value.reason == reason
+
+
+def test_truncated_jpeg_is_rejected():
+    rng = np.random.default_rng(0)
+    data = _bytes(Image.fromarray(rng.integers(0, 255, (128, 128, 3), dtype=np.uint8)), "JPEG")
+    with pytest.raises(ip.Reject) as e:
+        ip.process_image(data[: len(data) // 2], CFG, FILTERS)
+    assert e.value.reason == "corrupt_image"
+
+
+def test_decompression_bomb():
+    data = _bytes(Image.new("RGB", (100, 100)), "PNG")
+    with pytest.raises(ip.Reject) as e:
+        ip.process_image(data, ip.ImageConfig(resolution=32, max_pixels=5000), FILTERS)
+    assert e.value.reason == "decompression_bomb"
+
+
+def test_size_filters():
+    data = _bytes(Image.new("RGB", (100, 20)), "PNG")
+    with pytest.raises(ip.Reject, match="too_small"):
+        ip.process_image(data, CFG, ip.FilterConfig(min_side=32))
+    with pytest.raises(ip.Reject, match="bad_aspect"):
+        ip.process_image(data, CFG, ip.FilterConfig(max_aspect=2.0))
+
+
+def test_center_crop_keeps_the_center():
+    img = Image.new("RGB", (96, 32), (0, 0, 0))
+    img.paste((255, 255, 255), (32, 0, 64, 32))  # white center third
+    arr = _decode_out(ip.process_image(_bytes(img, "PNG"), CFG, FILTERS))
+    assert arr.mean() > 250
+
+
+def test_buckets_keep_aspect():
+    cfg = ip.ImageConfig(resolution=64, crop="buckets", bucket_step=16, format="png")
+    buckets = ip.bucket_sizes(64, 16, 2.0)
+    assert (64, 64) in buckets and all(w * h <= 64 * 64 for w, h in buckets)
+    assert all(max(w, h) / min(w, h) <= 2.0 for w, h in buckets)
+    assert {(w, h) for w, h in buckets} == {(h, w) for w, h in buckets}
+    out = ip.process_image(_bytes(Image.new("RGB", (300, 200)), "PNG"), cfg, FILTERS)
+    assert out.width > out.height and (out.width, out.height) in buckets
+
+
+def test_caption_checks():
+    f = ip.FilterConfig(min_caption_chars=3, max_caption_chars=10)
+    assert ip.check_caption("  a  red\ncat ", f) == "a red cat"
+    for cap, reason in [(None, "no_caption"), ("   ", "empty_caption"), ("ab", "caption_too_short"),
+                        ("x" * 11, "caption_too_long")]:
+        with pytest.raises(ip.Reject) as e:
+            ip.check_caption(cap, f)
+        assert e.value.reason == reason
+
+
+def test_value_thresholds():
+    f = ip.FilterConfig(min_values={"aesthetic": 5.0}, max_values={"punsafe": 0.5})
+    ip.check_values({"aesthetic": 5.0, "punsafe": 0.1}, f)
+    for meta, reason in [({"aesthetic": 4.9, "punsafe": 0.1}, "below_threshold"),
+                         ({"punsafe": 0.1}, "below_threshold"),
+                         ({"aesthetic": 6, "punsafe": 0.9}, "above_threshold")]:
+        with pytest.raises(ip.Reject) as e:
+            ip.check_values(meta, f)
+        assert e.value.reason == reason

@@ -1,0 +1,236 @@
+"""The procedural captioned dataset: determinism, splits, captions, pixels, config, reruns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from latentforge.config import from_dict
+from latentforge.data import synth
+from latentforge.data.synth import (
+    COLORS,
+    HELDOUT_COMBOS,
+    POSITIONS,
+    SHAPES,
+    SIZES,
+    TEMPLATES,
+    SynthConfig,
+    caption_for,
+    generate,
+    prompts_for_combos,
+    render,
+)
+from latentforge.errors import ConfigError, UserError
+
+# 40 >= the 30 training combos, so the tiling puts every combo in train at least once.
+SMALL = dict(num=40, num_heldout=12, image_size=32)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _labels(root: Path) -> list[dict]:
+    return [json.loads(line) for line in (root / "labels.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("synth") / "out"
+    generate(out, SynthConfig(**SMALL), progress=False)
+    return out
+
+
+def test_same_seed_same_bytes_other_seed_differs(dataset, tmp_path):
+    again = tmp_path / "again"
+    generate(again, SynthConfig(**SMALL), progress=False)
+    assert _files(again) == _files(dataset)
+
+    other = tmp_path / "other"
+    generate(other, SynthConfig(**SMALL, seed=1), progress=False)
+    a, b = _files(dataset), _files(other)
+    assert a.keys() == b.keys()
+    assert sum(a[k] != b[k] for k in a if k.endswith(".png")) > 40  # most images differ
+
+
+def test_layout_and_counts(dataset):
+    for split, num in (("train", 40), ("heldout", 12)):
+        assert sorted(p.name for p in (dataset / split).glob("*.png")) == [f"{i:06d}.png" for i in range(num)]
+        assert len(list((dataset / split).glob("*.txt"))) == num
+        assert sorted(p.name for p in (dataset / split).iterdir() if p.suffix not in (".png", ".txt")) == []
+    assert sorted(p.name for p in dataset.iterdir()) == ["heldout", "labels.jsonl", "synth.json", "train"]
+    summary = json.loads((dataset / "synth.json").read_text())
+    assert summary["counts"] == {"train": 40, "heldout": 12}
+    assert summary["config"]["num"] == 40
+    assert summary["heldout_combos"] == [list(c) for c in HELDOUT_COMBOS]
+    assert summary["colors"] == {k: list(v) for k, v in COLORS.items()}
+    labels = _labels(dataset)
+    assert [x["split"] for x in labels] == ["train"] * 40 + ["heldout"] * 12
+
+
+def test_heldout_combos_only_in_heldout_and_train_covers_everything(dataset):
+    held = set(HELDOUT_COMBOS)
+    labels = _labels(dataset)
+    train = {(x["color"], x["shape"]) for x in labels if x["split"] == "train"}
+    heldout = {(x["color"], x["shape"]) for x in labels if x["split"] == "heldout"}
+    assert not train & held
+    assert heldout == held
+    assert {c for c, _ in train} == set(COLORS)
+    assert {s for _, s in train} == set(SHAPES)
+    assert len(train) == len(COLORS) * len(SHAPES) - len(held)
+
+
+def test_default_heldout_leaves_each_colour_and_shape_five_training_partners():
+    combos = SynthConfig().heldout_combos()
+    assert combos == list(HELDOUT_COMBOS)
+    assert sorted(c for c, _ in combos) == sorted(COLORS)
+    assert sorted(s for _, s in combos) == sorted(SHAPES)
+
+
+def test_captions_match_labels_and_images_are_rgb(dataset):
+    for x in _labels(dataset):
+        png = dataset / x["file"]
+        assert png.with_suffix(".txt").read_text() == x["caption"]
+        words = x["caption"].replace(",", " ").replace(":", " ").split()
+        assert x["color"] in words and x["shape"] in words and x["size"] in words
+        with Image.open(png) as im:
+            assert im.mode == "RGB" and im.size == (32, 32)
+
+
+def test_caption_templates():
+    assert caption_for("triangle", "red", "small", "top left", "dark", 0) == "a small red triangle in the top left"
+    assert caption_for("triangle", "red", "small", "top left", "dark", 1) == "top left: red triangle, small"
+    assert caption_for("triangle", "red", "small", "top left", "dark", 2) == "a red triangle, small, in the top left corner"
+    for t in range(len(TEMPLATES)):
+        for pos in POSITIONS:
+            text = caption_for("star", "cyan", "large", pos, "light", t)
+            assert "cyan star" in text and "large" in text and "{" not in text
+
+
+def test_prompts_for_combos_deterministic_and_on_topic():
+    a = prompts_for_combos(HELDOUT_COMBOS, 3, num_per_combo=2)
+    assert a == prompts_for_combos(HELDOUT_COMBOS, np.random.default_rng(3), num_per_combo=2)
+    assert len(a) == 2 * len(HELDOUT_COMBOS)
+    for (color, shape), text in zip([c for c in HELDOUT_COMBOS for _ in range(2)], a):
+        assert f"{color} {shape}" in text
+    assert a != prompts_for_combos(HELDOUT_COMBOS, 4, num_per_combo=2)
+    with pytest.raises(UserError):
+        prompts_for_combos([("red", "hexagon")], 0)
+
+
+@pytest.mark.parametrize("background", ["light", "dark"])
+def test_render_shape_has_nominal_colour_and_background_is_far(background):
+    for i, (name, rgb) in enumerate(COLORS.items()):
+        im = render("square", name, "large", "center", background, 32, np.random.default_rng(i))
+        px = np.asarray(im, dtype=np.int16)
+        centre = px[14:18, 14:18].reshape(-1, 3)
+        assert np.abs(centre - np.asarray(rgb)).max() <= 1, name
+        corners = np.concatenate([px[:3, :3].reshape(-1, 3), px[-3:, -3:].reshape(-1, 3)])
+        for other in COLORS.values():
+            assert np.linalg.norm(corners - np.asarray(other), axis=1).min() > 60, (name, background)
+
+
+def test_render_shapes_differ_and_positions_move_the_shape():
+    def mask(shape: str, position: str = "center") -> np.ndarray:
+        im = render(shape, "red", "large", position, "dark", 64, np.random.default_rng(0))
+        return np.asarray(im)[:, :, 0] > 128  # red channel: shape 220, dark background <= 115
+
+    masks = {s: mask(s) for s in SHAPES}
+    for a in SHAPES:
+        assert masks[a].sum() > 100, a
+        for b in SHAPES:
+            if a < b:
+                iou = (masks[a] & masks[b]).sum() / (masks[a] | masks[b]).sum()
+                assert iou < 0.85, (a, b, iou)
+    ys, xs = np.nonzero(mask("circle", "top left"))
+    assert xs.mean() < 24 and ys.mean() < 24
+    ys, xs = np.nonzero(mask("circle", "bottom right"))
+    assert xs.mean() > 40 and ys.mean() > 40
+    small = render("circle", "red", "small", "center", "dark", 64, np.random.default_rng(0))
+    assert (np.asarray(small)[:, :, 0] > 128).sum() < 0.7 * masks["circle"].sum()
+    assert SIZES["small"] < SIZES["large"]
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"shapes": ["circle", "hexagon"]}, "shapes"),
+        ({"colors": ["red", "pink"]}, "colors"),
+        ({"colors": ["red", "red", "blue"]}, "colors"),
+        ({"positions": ["middle"]}, "positions"),
+        ({"image_size": 8}, "image_size"),
+        ({"num": 0}, "num"),
+        ({"heldout": ["redstar"]}, "heldout"),
+        ({"heldout": ["red star", "red star"]}, "heldout"),
+        ({"heldout": [f"red {s}" for s in SHAPES]}, "heldout"),  # red never trained
+        ({"heldout": [f"{c} star" for c in COLORS]}, "heldout"),  # star never trained
+        ({"colors": ["red", "blue"]}, "heldout"),  # default combos name colours not listed
+        ({"heldout": [], "num_heldout": 5}, "num_heldout"),
+    ],
+)
+def test_config_validation_names_the_field(data, field):
+    with pytest.raises(ConfigError, match=rf"^{field}: "):
+        from_dict(SynthConfig, data)
+
+
+def test_restricted_config_is_valid():
+    cfg = from_dict(SynthConfig, {"colors": ["red", "blue"], "shapes": ["circle", "square"], "heldout": ["red circle"]})
+    assert cfg.train_combos() == [("red", "square"), ("blue", "circle"), ("blue", "square")]
+
+
+def test_rerun_same_config_does_nothing(dataset):
+    before = {p: p.stat().st_mtime_ns for p in dataset.rglob("*")}
+    summary = generate(dataset, SynthConfig(**SMALL), progress=False)
+    assert summary == json.loads((dataset / "synth.json").read_text())
+    assert {p: p.stat().st_mtime_ns for p in dataset.rglob("*")} == before
+
+
+def test_refuses_foreign_or_other_config_dir(dataset, tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not a synth output"):
+        generate(foreign, SynthConfig(**SMALL), progress=False)
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+    with pytest.raises(UserError, match="num 40 there, 41 now"):
+        generate(dataset, SynthConfig(**{**SMALL, "num": 41}), progress=False)
+    with pytest.raises(UserError, match="local directory"):
+        generate("s3://bucket/synth", SynthConfig(**SMALL), progress=False)
+
+
+def test_killed_run_is_incomplete_and_rerun_finishes_it(dataset, tmp_path, monkeypatch):
+    out = tmp_path / "crashed"
+    calls = 0
+    real_render = synth.render
+
+    def crash_after_ten(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls > 10:
+            raise KeyboardInterrupt
+        return real_render(*args, **kwargs)
+
+    monkeypatch.setattr(synth, "render", crash_after_ten)
+    with pytest.raises(KeyboardInterrupt):
+        generate(out, SynthConfig(**SMALL), progress=False)
+    assert not (out / "synth.json").exists() and (out / "synth.partial.json").exists()
+    assert len(list((out / "train").glob("*.png"))) == 10
+    (out / "train" / ".000010.png.tmp-1").write_bytes(b"half")  # as a killed write leaves it
+
+    monkeypatch.setattr(synth, "render", real_render)
+    with pytest.raises(UserError, match="another config"):
+        generate(out, SynthConfig(**{**SMALL, "seed": 5}), progress=False)
+    generate(out, SynthConfig(**SMALL), progress=False)
+    assert _files(out) == _files(dataset)
+
+
+def test_missing_files_are_regenerated(dataset, tmp_path):
+    out = tmp_path / "copy"
+    generate(out, SynthConfig(**SMALL), progress=False)
+    (out / "train" / "000003.png").unlink()
+    generate(out, SynthConfig(**SMALL), progress=False)
+    assert _files(out) == _files(dataset)
