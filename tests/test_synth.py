@@ -102,9 +102,10 @@ def test_captions_match_labels_and_images_are_rgb(dataset):
 
 
 def test_caption_templates():
-    assert caption_for("triangle", "red", "small", "top left", "dark", 0) == "a small red triangle in the top left"
-    assert caption_for("triangle", "red", "small", "top left", "dark", 1) == "top left: red triangle, small"
-    assert caption_for("triangle", "red", "small", "top left", "dark", 2) == "a red triangle, small, in the top left corner"
+    attrs = ("triangle", "red", "small", "top left", "dark")
+    assert caption_for(*attrs, 0) == "a small red triangle in the top left"
+    assert caption_for(*attrs, 1) == "top left: red triangle, small"
+    assert caption_for(*attrs, 2) == "a red triangle, small, in the top left corner"
     for t in range(len(TEMPLATES)):
         for pos in POSITIONS:
             text = caption_for("star", "cyan", "large", pos, "light", t)
@@ -120,6 +121,12 @@ def test_prompts_for_combos_deterministic_and_on_topic():
     assert a != prompts_for_combos(HELDOUT_COMBOS, 4, num_per_combo=2)
     with pytest.raises(UserError):
         prompts_for_combos([("red", "hexagon")], 0)
+
+
+def test_colours_are_far_apart():
+    rgb = np.asarray(list(COLORS.values()), dtype=np.float64)
+    dist = np.linalg.norm(rgb[:, None] - rgb[None], axis=-1)
+    assert dist[~np.eye(len(rgb), dtype=bool)].min() > 90
 
 
 @pytest.mark.parametrize("background", ["light", "dark"])
@@ -178,7 +185,8 @@ def test_config_validation_names_the_field(data, field):
 
 
 def test_restricted_config_is_valid():
-    cfg = from_dict(SynthConfig, {"colors": ["red", "blue"], "shapes": ["circle", "square"], "heldout": ["red circle"]})
+    data = {"colors": ["red", "blue"], "shapes": ["circle", "square"], "heldout": ["red circle"]}
+    cfg = from_dict(SynthConfig, data)
     assert cfg.train_combos() == [("red", "square"), ("blue", "circle"), ("blue", "square")]
 
 
@@ -230,7 +238,8 @@ def test_killed_run_is_incomplete_and_rerun_finishes_it(dataset, tmp_path, monke
 
 def test_missing_files_are_regenerated(dataset, tmp_path):
     out = tmp_path / "copy"
-    generate(out, SynthConfig(**SMALL), progress=False)
+    summary = generate(out, SynthConfig(**SMALL), progress=False)
+    assert summary == json.loads((out / "synth.json").read_text())
     (out / "train" / "000003.png").unlink()
     generate(out, SynthConfig(**SMALL), progress=False)
     assert _files(out) == _files(dataset)

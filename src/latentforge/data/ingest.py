@@ -87,7 +87,9 @@ def process_unit(index: int, unit: WorkUnit, cfg: IngestConfig, parts_dir: str) 
     parts = Path(parts_dir)
     shard_path = parts / f"unit-{index:06d}.parquet"
     writer = schema.ShardWriter(shard_path, schema.RAW_COLUMNS, cfg.row_group_size)
-    buckets = bucket_sizes(cfg.image.resolution, cfg.image.bucket_step, cfg.image.bucket_max_aspect)
+    buckets = None
+    if cfg.image.crop == "buckets":
+        buckets = bucket_sizes(cfg.image.resolution, cfg.image.bucket_step, cfg.image.bucket_max_aspect)
     seen_hashes: dict[str, str] = {}
     rejected: list[dict] = []
     kept: list[list[str]] = []  # [key, sha256, source] of written rows, in row order

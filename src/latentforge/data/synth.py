@@ -244,7 +244,9 @@ class SynthConfig:
         if self.seed < 0:
             raise ConfigError(f"seed: must be 0 or more, got {self.seed}")
         if self.image_size < 16:
-            raise ConfigError(f"image_size: must be at least 16 px (shapes are unreadable below), got {self.image_size}")
+            raise ConfigError(
+                f"image_size: must be at least 16 px (shapes are unreadable below), got {self.image_size}"
+            )
         _check_names("shapes", self.shapes, SHAPES)
         _check_names("colors", self.colors, list(COLORS))
         _check_names("sizes", self.sizes, list(SIZES))
@@ -443,7 +445,8 @@ def _previous_config(out: Path) -> tuple[dict | None, bool]:
 def _complete(out: Path, cfg: SynthConfig) -> bool:
     for split, num in (("train", cfg.num), ("heldout", cfg.num_heldout)):
         for i in range(num):
-            if not (out / split / f"{i:06d}.png").is_file() or not (out / split / f"{i:06d}.txt").is_file():
+            stem = out / split / f"{i:06d}"
+            if not stem.with_suffix(".png").is_file() or not stem.with_suffix(".txt").is_file():
                 return False
     return (out / LABELS).is_file()
 

@@ -22,6 +22,8 @@ __all__ = [
     "AutoencoderConfig",
     "build_vae",
     "load_vae",
+    "first_line",
+    "load_error",
     "locate_pretrained",
     "state_fingerprint",
     "vae_fingerprint",
@@ -87,23 +89,23 @@ def build_vae(cfg: AutoencoderConfig) -> AutoencoderKL:
     )
 
 
-def locate_pretrained(path_or_id: str, subfolder: str) -> tuple[str, str | None]:
+def locate_pretrained(path_or_id: str, subfolder: str,
+                      markers: tuple[str, ...] = ("config.json",)) -> tuple[str, str | None]:
     """Where ``from_pretrained`` should look: ``(path or hub id, subfolder or None)``.
 
-    A local directory is either the model itself (it has ``config.json``) or a full pipeline
-    directory holding the model in ``subfolder`` (``vae``, ``text_encoder``, ...). Anything that
-    does not exist locally and does not look like a path is a hub id; ``org/name/sub`` names a
-    subfolder of a hub repository.
+    A local directory is either the model itself (it holds one of ``markers``) or a full
+    pipeline directory holding the model in ``subfolder`` (``vae``, ``text_encoder``,
+    ``tokenizer``). Anything that does not exist locally and does not look like a path is a hub
+    id; ``org/name/sub`` names a subfolder of a hub repository.
     """
     path = Path(path_or_id).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise UserError(f"{path_or_id}: is a file; expected a model directory (config.json + *.safetensors)")
-        if (path / "config.json").is_file():
-            return str(path), None
-        if (path / subfolder / "config.json").is_file():
-            return str(path), subfolder
-        raise UserError(f"{path_or_id}: no config.json (nor {subfolder}/config.json): not a saved model directory")
+            raise UserError(f"{path_or_id}: is a file; expected a saved model directory")
+        for where, sub in ((path, None), (path / subfolder, subfolder)):
+            if any((where / m).is_file() for m in markers):
+                return str(path), sub
+        raise UserError(f"{path_or_id}: no {' or '.join(markers)} (nor in {subfolder}/): not a saved {subfolder} directory")
     if path_or_id.startswith(("/", ".", "~")) or "\\" in path_or_id or not path_or_id.strip():
         raise UserError(f"{path_or_id}: no such directory")
     parts = path_or_id.split("/")
@@ -116,6 +118,13 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def load_error(path_or_id: str, what: str, exc: BaseException) -> UserError:
+    """A one-line error for a failed ``from_pretrained``."""
+    if not Path(path_or_id).expanduser().exists():
+        return UserError(f"{path_or_id}: no such local directory, and loading it as a hub id failed: {first_line(exc)}")
+    return UserError(f"{path_or_id}: cannot load the {what}: {first_line(exc)}")
+
+
 def load_vae(path_or_id: str, dtype: torch.dtype | None = None,
              device: str | torch.device | None = None) -> AutoencoderKL:
     """A pretrained ``AutoencoderKL`` in eval mode with gradients off, from a local diffusers
@@ -124,18 +133,19 @@ def load_vae(path_or_id: str, dtype: torch.dtype | None = None,
     try:
         config = AutoencoderKL.load_config(where, subfolder=subfolder)
     except (OSError, ValueError) as e:
-        raise UserError(f"{path_or_id}: cannot read the VAE config: {first_line(e)}") from None
+        raise load_error(path_or_id, "VAE config", e) from None
     cls = config.get("_class_name")
     if cls != "AutoencoderKL":
         raise UserError(f"{path_or_id}: holds a {cls or 'non-diffusers model'}, not a diffusers AutoencoderKL")
     try:
         # low_cpu_mem_usage=False: the fast path needs `accelerate`, which is not a dependency.
+        # dtype None = float32 (an exact upcast of float16/bfloat16 weights).
         vae = AutoencoderKL.from_pretrained(where, subfolder=subfolder, use_safetensors=True,
-                                            low_cpu_mem_usage=False)
+                                            low_cpu_mem_usage=False, torch_dtype=dtype)
     except (OSError, ValueError) as e:
-        raise UserError(f"{path_or_id}: cannot load the VAE (safetensors weights required): {first_line(e)}") from None
+        raise load_error(path_or_id, "VAE (safetensors weights required)", e) from None
     vae.requires_grad_(False).eval()
-    return vae.to(device=device, dtype=dtype)
+    return vae if device is None else vae.to(device)
 
 
 def state_fingerprint(config: dict[str, Any], module: torch.nn.Module) -> str:

@@ -1,0 +1,449 @@
+"""Checkpoints: save, find the newest complete one, load; atomic, with retention.
+
+A run directory holds::
+
+    RUN/checkpoints/step-00001200/
+        model.safetensors   one file per tensor group passed to save_checkpoint ("model", "ema", ...)
+        ema.safetensors
+        state.pt            optimizer, LR scheduler, RNG states...: tensors and plain containers only,
+                            read back with torch.load(weights_only=True), never arbitrary unpickling
+        meta.json           step, time, library versions, plus the caller's plain metadata
+                            (phase index, data cursor, config fingerprint...)
+        COMPLETE            written last: the size and sha256 of every other file
+
+A checkpoint exists only when complete. It is written into ``step-00001200.tmp-<pid>/``, every
+file and the directory are fsynced, the ``COMPLETE`` marker is written, and only then is the
+directory renamed to its final name (and the parent fsynced). A directory without a valid
+marker, and any ``.tmp-`` leftover of a crashed writer, is skipped by :func:`find_latest` with a
+warning and never loaded. The step is read from ``meta.json``, never from the directory name.
+
+Checkpoints need a local or shared POSIX filesystem (atomic rename); in multi-process training
+only the writer (rank 0) calls :func:`save_checkpoint` with ``is_writer=True``, and the caller
+puts a barrier after it before other ranks read. Sharded (DCP) checkpoints are not handled here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import platform
+import re
+import shutil
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+
+import latentforge
+from latentforge.errors import UserError
+
+__all__ = [
+    "Checkpoint",
+    "save_checkpoint",
+    "find_latest",
+    "load_checkpoint",
+    "resolve_resume",
+    "clean_state_dict_keys",
+    "checkpoint_dir_name",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "latentforge-checkpoint"
+VERSION = 1
+CHECKPOINTS = "checkpoints"  # sub-directory of the run directory
+MARKER = "COMPLETE"
+META = "meta.json"
+STATE = "state.pt"
+_RESERVED_META = ("format", "version", "step", "saved_at", "saved_unix", "versions", "tensors")
+_GROUP_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+_FINAL_RE = re.compile(r"^step-\d{8,}$")
+# Names a writer uses while it works: ".tmp-" being written, ".old-" a replaced checkpoint kept
+# until the new one is renamed in, ".del-" a checkpoint being deleted by retention.
+_WORK_RE = re.compile(r"^(step-\d{8,})\.(tmp|old|del)-(\d+)$")
+_HASH_CHUNK = 16 << 20  # bytes read at a time when hashing (sha256: about 1.7 GB/s here)
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    tensors: dict[str, dict[str, torch.Tensor]]  # group name ("model", "ema") -> state dict
+    state: dict[str, Any]  # optimizer, scheduler, RNG...: as saved
+    meta: dict[str, Any]  # meta.json: "step", "saved_at", "versions" and the caller's keys
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """``step-00001200``: zero-padded so that names sort by step (the step itself is read from meta.json)."""
+    return f"step-{step:08d}"
+
+
+def clean_state_dict_keys(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop the key prefixes added by wrappers: ``_orig_mod.`` (torch.compile, at any depth, since a
+    compiled submodule inserts it mid-key) and a leading ``module.`` (DDP), stripped only when every
+    key has it so that a real submodule named ``module`` is left alone."""
+    keys = [".".join(part for part in k.split(".") if part != "_orig_mod") for k in sd]
+    while keys and all(k.startswith("module.") for k in keys):
+        keys = [k[len("module."):] for k in keys]
+    if len(set(keys)) != len(keys):
+        raise ValueError("clean_state_dict_keys: two keys map to the same name after removing wrapper prefixes")
+    return dict(zip(keys, sd.values()))
+
+
+# ---------------------------------------------------------------------------------------- writing
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or directory by path (Linux flushes an inode's data through any descriptor)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _prepare_tensors(group: str, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors for safetensors. Tensors sharing storage with an earlier one (tied
+    weights, views) are cloned: safetensors refuses overlapping storage, and each key is kept."""
+    out: dict[str, torch.Tensor] = {}
+    seen_storages: set[tuple[torch.device, int]] = set()
+    for key, t in sd.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"save_checkpoint: tensors[{group!r}][{key!r}] is a {type(t).__name__}, not a tensor")
+        t = t.detach()
+        storage = (t.device, t.untyped_storage().data_ptr())
+        shared = storage in seen_storages and t.numel() > 0
+        seen_storages.add(storage)
+        t = t.cpu().contiguous()  # no copy for a contiguous CPU tensor
+        out[key] = t.clone() if shared else t
+    return out
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Fail at save time on anything ``torch.load(weights_only=True)`` would refuse at resume.
+    Types are compared exactly: numpy scalars subclass float, and namedtuples tuple, yet both
+    would be pickled as objects that weights_only loading refuses."""
+    if isinstance(value, torch.Tensor) or type(value) in _PLAIN or isinstance(value, (torch.dtype, torch.Size)):
+        return
+    if type(value) in (list, tuple):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    if type(value) in (dict, OrderedDict):
+        for k, v in value.items():
+            if type(k) not in _PLAIN:
+                raise TypeError(f"save_checkpoint: {where} has a key of type {type(k).__name__}")
+            _check_plain(v, f"{where}[{k!r}]")
+        return
+    raise TypeError(
+        f"save_checkpoint: {where} is a {type(value).__module__}.{type(value).__name__}; state may only hold "
+        "tensors, numbers, strings, None, lists, tuples and dicts (loaded with weights_only=True)"
+    )
+
+
+def _versions() -> dict[str, str]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": np.__version__,
+        "latentforge": latentforge.__version__,
+    }
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
+
+
+def _clean_leftovers(root: Path) -> None:
+    """Remove what crashed writers on this host left behind: ``.tmp-`` and ``.del-`` directories are
+    deleted; an ``.old-`` directory (a complete checkpoint being replaced) is renamed back when the
+    replacement never arrived. Directories of live processes are left alone."""
+    for entry in sorted(root.iterdir()):
+        m = _WORK_RE.match(entry.name)
+        if not m or not entry.is_dir():
+            continue
+        final_name, kind, pid = m.group(1), m.group(2), int(m.group(3))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        if kind == "old" and not (root / final_name).exists():
+            log.warning("restoring %s: its writer died while replacing it", root / final_name)
+            os.rename(entry, root / final_name)
+        else:
+            log.info("removing %s left by a dead writer (pid %d)", entry, pid)
+            shutil.rmtree(entry)
+    _fsync_path(root)
+
+
+def _delete(root: Path, path: Path) -> None:
+    """Rename then delete, so that a crash mid-delete leaves a ``.del-`` leftover, not a
+    half-deleted checkpoint under its final name."""
+    doomed = root / f"{path.name}.del-{os.getpid()}"
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def _apply_retention(root: Path, step: int, keep_last: int, keep_every: int) -> None:
+    """Keep the checkpoint of ``step``, the ``keep_last - 1`` newest older checkpoints and the milestones
+    (step % keep_every == 0); delete the other older ones. Checkpoints with a later step (from a
+    run that was resumed from an earlier checkpoint) are never deleted."""
+    complete = _complete_checkpoints(root, warn=False)
+    later = sorted(p.name for s, p in complete if s > step)
+    if later:
+        log.warning(
+            "checkpoints from a later step exist in %s (%s): resume=auto will pick them over step %d",
+            root, ", ".join(later), step,
+        )
+    if keep_last <= 0:
+        return
+    older = sorted(((s, p) for s, p in complete if s < step), reverse=True)
+    for i, (s, path) in enumerate(older):
+        if i < keep_last - 1 or (keep_every > 0 and s % keep_every == 0):
+            continue
+        log.info("retention: deleting %s (keep_last=%d, keep_every=%d)", path, keep_last, keep_every)
+        _delete(root, path)
+    _fsync_path(root)
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    state: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    keep_last: int,
+    keep_every: int = 0,
+    is_writer: bool = True,
+) -> Path:
+    """Write ``RUN/checkpoints/step-<step>/`` atomically and return its path.
+
+    ``tensors`` maps a group name to a state dict, each written as ``<group>.safetensors``;
+    ``state`` is torch-saved (tensors and plain containers only); ``meta`` must be JSON-serialisable.
+    ``keep_last`` (0 keeps all) and ``keep_every`` (0: no milestones) prune older checkpoints once
+    the new one is complete. With ``is_writer=False`` nothing is written and the path is returned.
+    An existing checkpoint of the same step (from a run resumed from an earlier one) is replaced.
+    """
+    if str(run_dir).startswith("s3://"):
+        raise UserError(f"{run_dir}: checkpoints need a local or shared filesystem (atomic rename), not S3")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"save_checkpoint: step must be an int >= 0, got {step!r}")
+    if keep_last < 0 or keep_every < 0:
+        raise ValueError(f"save_checkpoint: keep_last ({keep_last}) and keep_every ({keep_every}) must be >= 0")
+    root = Path(run_dir) / CHECKPOINTS
+    final = root / checkpoint_dir_name(step)
+    if not is_writer:
+        return final
+
+    # Everything that can fail on bad input fails here, before anything is written.
+    for group in tensors:
+        if not _GROUP_RE.match(group) or group in ("state", "meta"):
+            raise ValueError(f"save_checkpoint: tensor group name {group!r} must match [A-Za-z0-9_-]+ "
+                             "and not be 'state' or 'meta'")
+    reserved = sorted(set(meta) & set(_RESERVED_META))
+    if reserved:
+        raise ValueError(f"save_checkpoint: meta keys {reserved} are reserved (written by save_checkpoint)")
+    _check_plain(dict(state), "state")
+    now = time.time()
+    full_meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "saved_unix": now,
+        "versions": _versions(),
+        "tensors": sorted(tensors),
+        **meta,
+    }
+    meta_text = json.dumps(full_meta, indent=2, allow_nan=False) + "\n"
+    prepared = {group: _prepare_tensors(group, sd) for group, sd in tensors.items()}
+
+    root.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(root)
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():  # from an earlier failed save in this process
+        shutil.rmtree(tmp)
+    started = time.perf_counter()
+    old = None
+    try:
+        tmp.mkdir()
+        for group, sd in prepared.items():
+            safetensors.torch.save_file(sd, tmp / f"{group}.safetensors", metadata={"format": "pt"})
+            _fsync_path(tmp / f"{group}.safetensors")
+        with open(tmp / STATE, "wb") as f:
+            torch.save(dict(state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(tmp / META, "w") as f:
+            f.write(meta_text)
+            f.flush()
+            os.fsync(f.fileno())
+        # Hashing re-reads the files just written, normally from the page cache.
+        files = {
+            p.name: {"num_bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(tmp.iterdir())
+        }
+        marker = {"format": FORMAT, "version": VERSION, "step": step, "files": files}
+        with open(tmp / MARKER, "w") as f:
+            f.write(json.dumps(marker, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp)
+        if final.exists():
+            log.warning("replacing existing checkpoint %s", final)
+            old = root / f"{final.name}.old-{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_path(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists():
+            os.rename(old, final)
+        raise
+    if old is not None:
+        shutil.rmtree(old)
+    num_bytes = sum(f["num_bytes"] for f in files.values())
+    log.info("saved checkpoint %s (%.1f MB in %.1f s)", final, num_bytes / 1e6, time.perf_counter() - started)
+    _apply_retention(root, step, keep_last, keep_every)
+    return final
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    """The parsed ``COMPLETE`` marker; raises ValueError saying why the checkpoint is incomplete."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no {MARKER} marker (interrupted while writing?)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"unreadable {MARKER} marker ({e})") from None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
+        raise ValueError(f"{MARKER} is not a {FORMAT} marker")
+    files = marker["files"]
+    for name in (META, STATE):
+        if name not in files:
+            raise ValueError(f"{MARKER} does not list {name}")
+    for name, info in files.items():
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            raise ValueError(f"{name} is missing") from None
+        if size != info.get("num_bytes"):
+            raise ValueError(f"{name} has {size} bytes, {MARKER} says {info.get('num_bytes')}")
+    return marker
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta = json.loads((path / META).read_text())
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise ValueError(f"{META} has no integer step")
+    return meta
+
+
+def _complete_checkpoints(root: Path, warn: bool) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every complete checkpoint under ``root``; the step comes from meta.json."""
+    found = []
+    if not root.is_dir():
+        return found
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir():
+            continue
+        if _WORK_RE.match(entry.name):
+            if warn:
+                log.warning("ignoring %s: a checkpoint being written, or left by a crashed writer", entry)
+            continue
+        if not _FINAL_RE.match(entry.name):
+            continue
+        try:
+            _read_marker(entry)
+            found.append((_read_meta(entry)["step"], entry))
+        except ValueError as e:
+            if warn:
+                log.warning("ignoring incomplete checkpoint %s: %s", entry, e)
+    return found
+
+
+def find_latest(run_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step (from meta.json) under ``RUN/checkpoints``, or
+    None. Incomplete directories and writers' leftovers are skipped with a warning."""
+    found = _complete_checkpoints(Path(run_dir) / CHECKPOINTS, warn=True)
+    if not found:
+        return None
+    return max(found, key=lambda sp: (sp[0], sp[1].name))[1]
+
+
+def load_checkpoint(
+    path: str | os.PathLike, map_location: str | torch.device = "cpu", verify: bool = True
+) -> Checkpoint:
+    """Load a complete checkpoint. ``verify`` checks every file's sha256 against the marker (one
+    extra read of the checkpoint). The state is read with ``weights_only=True``: a file holding
+    anything but tensors and plain containers is refused, never executed."""
+    path = Path(path)
+    try:
+        marker = _read_marker(path)
+        meta = _read_meta(path)
+    except ValueError as e:
+        raise UserError(f"{path}: not a complete checkpoint: {e}") from None
+    if verify:
+        for name, info in marker["files"].items():
+            if _sha256(path / name) != info.get("sha256"):
+                raise UserError(f"{path / name}: sha256 does not match {MARKER}: the file is corrupted or was modified")
+    device = str(map_location)
+    tensors = {g: safetensors.torch.load_file(path / f"{g}.safetensors", device=device) for g in meta["tensors"]}
+    try:
+        state = torch.load(path / STATE, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"{path / STATE}: refusing to load: it holds objects other than tensors and plain containers ({first_line})"
+        ) from None
+    return Checkpoint(path=path, tensors=tensors, state=state, meta=meta)
+
+
+def resolve_resume(run_dir: str | os.PathLike, resume: str | os.PathLike) -> Path | None:
+    """Which checkpoint to resume from: ``"auto"`` = the newest complete one under ``run_dir`` (None
+    when there is none), ``"none"`` = None, anything else = that checkpoint directory, which must
+    be complete."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return find_latest(run_dir)
+    path = Path(resume)
+    if not path.is_dir():
+        raise UserError(f"resume {path}: no such checkpoint directory (use auto, none or a step-NNNNNNNN directory)")
+    try:
+        _read_marker(path)
+        _read_meta(path)
+    except ValueError as e:
+        raise UserError(f"resume {path}: not a complete checkpoint: {e}") from None
+    return path

@@ -1,0 +1,298 @@
+"""Encode step: raw shards (image bytes + caption) -> latent shards (VAE latents + text conditioning).
+
+Each raw shard becomes one latent shard of the same name holding, per sample::
+
+    key, caption, width, height       carried over from the raw shard
+    latent_mean, latent_std           the VAE encoder's latent distribution, C x H/f x W/f
+    text_hidden, text_mask            last hidden states (L x D) and attention mask (L) of the caption
+    text_pooled                       the pooled text embedding, when the encoder has one
+
+Storing the distribution (not one sample of it) lets the loader draw a fresh latent every epoch.
+The latents are stored unscaled: the VAE's ``scaling_factor``/``shift_factor`` go into the
+dataset meta, and training applies them. ``empty_prompt.safetensors`` holds the conditioning of
+the empty caption, for caption dropout and classifier-free guidance.
+
+The output directory is resumable per shard: a shard is done when its parquet file and its
+record ``.progress/<shard>.json`` agree on the number of rows. ``.progress/meta.json`` records
+which VAE, text encoder, settings and source dataset the directory was made with, and a rerun
+with any of these changed is refused. ``index.json`` is written last and marks completion.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import numpy as np
+import pyarrow.parquet as pq
+import safetensors.numpy
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from latentforge import storage
+from latentforge.config import save_config
+from latentforge.data.schema import INDEX, DatasetIndex, ShardInfo, ndarray_type, read_index, read_shard, write_index, write_shard
+from latentforge.errors import ConfigError, UserError
+from latentforge.models.autoencoder import first_line, load_vae, vae_fingerprint, vae_meta
+from latentforge.models.text import encode_text, load_text_encoder, resolve_max_length, text_encoder_fingerprint, text_encoder_meta
+
+__all__ = ["EncodeConfig", "encode_dataset", "decode_image", "RejectedImage", "EMPTY_PROMPT", "REJECTED", "SUMMARY", "CONFIG_FILE"]
+
+EMPTY_PROMPT = "empty_prompt.safetensors"
+REJECTED = "rejected.jsonl"
+SUMMARY = "summary.json"
+CONFIG_FILE = "encode_config.yaml"
+PROGRESS = ".progress"
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_RAW_NEEDED = ("key", "image", "caption", "width", "height")
+
+
+@dataclass
+class EncodeConfig:
+    vae: str = field(default="", metadata={
+        "help": "the frozen VAE: a diffusers AutoencoderKL directory, a pipeline directory with vae/, or a hub id"})
+    text_encoder: str = field(default="", metadata={
+        "help": "the frozen text encoder: a transformers model directory (CLIP text, T5, BERT-like), "
+                "a pipeline directory with text_encoder/ and tokenizer/, or a hub id"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "tokenizer directory or hub id; None = the text encoder's own"})
+    max_length: int | None = field(default=77, metadata={
+        "help": "caption length in tokens (padded/truncated); None = the tokenizer's model_max_length"})
+    batch_size: int = field(default=16, metadata={"help": "images per VAE/text-encoder forward pass"})
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={
+        "help": "where to run the encoders; auto = cuda if available, else cpu"})
+    vae_dtype: Literal["float32", "float16", "bfloat16"] = field(default="float32", metadata={
+        "help": "VAE compute dtype; the encoder is cheap next to training, and float16 VAEs can overflow"})
+    text_dtype: Literal["auto", "float32", "float16", "bfloat16"] = field(default="auto", metadata={
+        "help": "text encoder compute dtype; auto = float32 on cpu, bfloat16 on cuda"})
+    storage_dtype: Literal["float16", "float32"] = field(default="float16", metadata={
+        "help": "dtype of the stored latents and text embeddings (float16 halves disk and read cost)"})
+
+    def validate(self) -> None:
+        if not self.vae:
+            raise ConfigError("vae: required: a diffusers AutoencoderKL directory or hub id (--vae PATH)")
+        if not self.text_encoder:
+            raise ConfigError("text_encoder: required: a text encoder directory or hub id (--text-encoder PATH)")
+        if self.max_length is not None and self.max_length < 1:
+            raise ConfigError(f"max_length: must be at least 1 (or null for the tokenizer's own), got {self.max_length}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size: must be at least 1, got {self.batch_size}")
+
+
+class RejectedImage(Exception):
+    """An image that cannot be encoded; ``reason`` is a short stable name counted in summary.json."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+def decode_image(data: bytes | None, resolution: int) -> np.ndarray:
+    """Encoded image bytes -> RGB pixels in [-1, 1], float32 (3, H, W), as the VAE expects."""
+    if not data:
+        raise RejectedImage("missing_image", "no image bytes")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            rgb = im.convert("RGB")  # decodes the whole image
+    except Exception as e:  # Pillow raises OSError, SyntaxError, zlib/struct errors... on damaged data
+        raise RejectedImage("undecodable_image", first_line(e)) from None
+    if rgb.size != (resolution, resolution):
+        raise RejectedImage("wrong_size", f"{rgb.size[0]}x{rgb.size[1]}, the dataset is {resolution}x{resolution}")
+    return (np.asarray(rgb, dtype=np.float32) / 127.5 - 1.0).transpose(2, 0, 1)
+
+
+def _resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("device: cuda was requested but torch sees no CUDA device; use device=auto or cpu")
+    return name
+
+
+def _check_raw(raw_dir: str, raw: DatasetIndex) -> int:
+    """The resolution of a raw dataset, after checking it is one."""
+    if raw.kind != "raw":
+        raise UserError(f"{raw_dir}: is a {raw.kind!r} dataset; encode reads the raw shards written by ingest")
+    missing = [c for c in _RAW_NEEDED if c not in raw.columns]
+    if missing:
+        raise UserError(f"{raw_dir}: raw shards lack column(s) {', '.join(missing)}")
+    resolution = raw.meta.get("resolution")
+    if not isinstance(resolution, int) or resolution <= 0:
+        raise UserError(f"{raw_dir}: index.json meta has no integer 'resolution' (was it written by ingest?)")
+    return resolution
+
+
+def _identity(meta: Any) -> Any:
+    """What must match to resume: everything in the meta except where things were read from."""
+    if isinstance(meta, dict):
+        return {k: _identity(v) for k, v in meta.items() if not k.endswith("path")}
+    return meta
+
+
+def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            short = [v[:12] + "..." if isinstance(v, str) and len(v) > 16 else v for v in (a, b)]
+            out.append(f"{prefix}{k} ({short[0]!r} there, {short[1]!r} now)")
+    return out
+
+
+def _open_out_dir(out: Path, meta: dict) -> None:
+    """Claim ``out`` for this encode, or check that it was started with the same inputs."""
+    record = out / PROGRESS / "meta.json"
+    if record.is_file():
+        now = _identity(json.loads(json.dumps(meta)))  # compare as stored: JSON types
+        diffs = _differences(_identity(json.loads(record.read_text())), now)
+        if diffs:
+            raise UserError(f"{out}: was encoded with a different {'; '.join(diffs)}: "
+                            "use a new output directory or delete this one")
+    elif out.exists() and any(out.iterdir()):
+        raise UserError(f"{out}: exists, is not empty and is not an encode output: use a new or empty directory")
+    storage.atomic_write_bytes(record, json.dumps(meta, indent=1).encode())
+    # The dataset is incomplete until every shard is done again (index.json is the completion marker).
+    (out / INDEX).unlink(missing_ok=True)
+
+
+def _finished_shard(out: Path, name: str) -> dict | None:
+    """The completion record of shard ``name`` if the shard file matches it, else None."""
+    record, shard = out / PROGRESS / f"{name}.json", out / name
+    if not (record.is_file() and shard.is_file()):
+        return None
+    done = json.loads(record.read_text())
+    return done if pq.read_metadata(shard).num_rows == done["written"] else None
+
+
+def _to_storage(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:
+    with np.errstate(over="ignore"):  # float16 overflow becomes inf, rejected as non_finite below
+        return t.detach().float().cpu().numpy().astype(dtype)
+
+
+class _Encoders:
+    """The loaded VAE and text encoder and what the encode needs to know about them."""
+
+    def __init__(self, cfg: EncodeConfig, device: str):
+        text_dtype = cfg.text_dtype if cfg.text_dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+        self.vae = load_vae(cfg.vae, device=device)  # float32
+        vae_fp = vae_fingerprint(self.vae)  # of the weights as stored, whatever the compute dtype
+        if cfg.vae_dtype != "float32":
+            self.vae.to(dtype=_DTYPES[cfg.vae_dtype])
+        self.text, self.tokenizer = load_text_encoder(cfg.text_encoder, tokenizer=cfg.tokenizer)
+        text_fp = text_encoder_fingerprint(self.text, self.tokenizer)
+        self.text.to(device=device, dtype=_DTYPES[text_dtype])
+        self.max_length = resolve_max_length(self.text, self.tokenizer, cfg.max_length)
+        self.storage = np.dtype(cfg.storage_dtype)
+        self.resolved = dataclasses.replace(cfg, max_length=self.max_length, text_dtype=text_dtype,
+                                            tokenizer=cfg.tokenizer or cfg.text_encoder)
+        self.vae_info = {"path": cfg.vae, "fingerprint": vae_fp, **vae_meta(self.vae), "dtype": cfg.vae_dtype}
+        self.text_info = {"path": cfg.text_encoder, "tokenizer_path": self.resolved.tokenizer, "fingerprint": text_fp,
+                          **text_encoder_meta(self.text, self.tokenizer, self.max_length), "dtype": text_dtype}
+
+    def text_arrays(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
+        out = encode_text(self.text, self.tokenizer, captions, self.max_length)
+        return {k: v.cpu().numpy() if k == "text_mask" else _to_storage(v, self.storage) for k, v in out.items()}
+
+    @torch.inference_mode()
+    def latent_arrays(self, pixels: np.ndarray) -> dict[str, np.ndarray]:
+        x = torch.from_numpy(pixels).to(device=self.vae.device, dtype=self.vae.dtype)
+        dist = self.vae.encode(x).latent_dist
+        return {"latent_mean": _to_storage(dist.mean, self.storage), "latent_std": _to_storage(dist.std, self.storage)}
+
+
+def _encode_shard(raw_uri: str, out: Path, name: str, enc: _Encoders, columns: dict[str, str],
+                  resolution: int, batch_size: int, bar: tqdm) -> dict:
+    """Encode one raw shard into ``out/name`` and write its completion record."""
+    table = read_shard(raw_uri, columns=list(_RAW_NEEDED))
+    keys, images, captions, widths, heights = (table.column(c).to_pylist() for c in _RAW_NEEDED)
+    rows: list[dict[str, Any]] = []
+    rejected: list[dict[str, str]] = []
+    for start in range(0, len(keys), batch_size):
+        good, pixels = [], []
+        for i in range(start, min(start + batch_size, len(keys))):
+            try:
+                pixels.append(decode_image(images[i], resolution))
+                good.append(i)
+            except RejectedImage as e:
+                rejected.append({"shard": name, "key": keys[i], "reason": e.reason, "detail": str(e)})
+        if good:
+            arrays = {**enc.latent_arrays(np.stack(pixels)), **enc.text_arrays([captions[i] for i in good])}
+            for j, i in enumerate(good):
+                sample = {k: v[j] for k, v in arrays.items()}
+                bad = [k for k, v in sample.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+                if bad:
+                    rejected.append({"shard": name, "key": keys[i], "reason": "non_finite",
+                                     "detail": f"{', '.join(bad)} not finite in {enc.storage.name}"})
+                    continue
+                rows.append({"key": keys[i], "caption": captions[i], "width": widths[i], "height": heights[i], **sample})
+        bar.update(min(start + batch_size, len(keys)) - start)
+    info = write_shard(out / name, rows, columns)
+    done = {"name": name, "seen": len(keys), "written": info.num_samples, "num_bytes": info.num_bytes,
+            "rejected": rejected}
+    storage.atomic_write_bytes(out / PROGRESS / f"{name}.json", json.dumps(done).encode())
+    return done
+
+
+def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool = True) -> dict:
+    """Encode the raw dataset at ``raw_dir`` (local or s3://) into latent shards in ``out_dir``.
+
+    Returns the summary ``{"seen", "written", "rejected": {reason: count}}`` (also written to
+    ``out_dir/summary.json``); shards finished by an earlier run with the same inputs are kept.
+    """
+    cfg.validate()
+    raw = read_index(raw_dir)
+    resolution = _check_raw(raw_dir, raw)
+    device = _resolve_device(cfg.device)
+    enc = _Encoders(cfg, device)
+    factor = enc.vae_info["downsample_factor"]
+    if resolution % factor:
+        raise UserError(f"{raw_dir}: resolution {resolution} is not a multiple of the VAE's downsample factor {factor}")
+    source_fp = hashlib.sha256(storage.read_bytes(storage.join(raw_dir, INDEX))).hexdigest()
+    meta = {
+        "resolution": resolution,
+        "vae": enc.vae_info,
+        "text_encoder": enc.text_info,
+        "storage_dtype": cfg.storage_dtype,
+        "source_dataset": {"path": raw_dir, "fingerprint": source_fp, "num_samples": raw.num_samples},
+    }
+    out = Path(out_dir)
+    _open_out_dir(out, meta)
+    save_config(enc.resolved, out / CONFIG_FILE)
+
+    empty = {k: v[0] for k, v in enc.text_arrays([""]).items()}
+    storage.atomic_write_bytes(out / EMPTY_PROMPT, safetensors.numpy.save(empty))
+    side = resolution // factor
+    latent_type = ndarray_type(enc.storage, (enc.vae_info["latent_channels"], side, side))
+    columns = {"key": "str", "caption": "str", "width": "int64", "height": "int64",
+               "latent_mean": latent_type, "latent_std": latent_type,
+               **{k: ndarray_type(v.dtype, v.shape) for k, v in empty.items()}}
+
+    records = []
+    with tqdm(total=raw.num_samples, unit="img", desc="encode", disable=not progress) as bar:
+        for shard in raw.shards:
+            done = _finished_shard(out, shard.name)
+            if done is None:
+                done = _encode_shard(storage.join(raw_dir, shard.name), out, shard.name, enc, columns,
+                                     resolution, cfg.batch_size, bar)
+            else:
+                bar.update(done["seen"])
+            records.append(done)
+
+    rejected = [r for done in records for r in done["rejected"]]
+    storage.atomic_write_bytes(out / REJECTED, "".join(json.dumps(r) + "\n" for r in rejected).encode())
+    summary = {"seen": sum(d["seen"] for d in records), "written": sum(d["written"] for d in records),
+               "rejected": dict(collections.Counter(r["reason"] for r in rejected))}
+    storage.atomic_write_bytes(out / SUMMARY, json.dumps(summary, indent=1).encode())
+    shards = [ShardInfo(name=d["name"], num_samples=d["written"], num_bytes=d["num_bytes"]) for d in records]
+    write_index(out, DatasetIndex(kind="latent", columns=columns, shards=shards, meta=meta))
+    return summary

@@ -1,0 +1,138 @@
+"""Exponential moving average of the model parameters, kept in fp32.
+
+The update is one fused multi-tensor ``torch._foreach_lerp_`` over all parameters, not a Python
+loop of per-parameter kernels. When the parameters are not fp32 on the EMA's device (bf16
+weights, or the EMA kept in CPU memory), they are first copied into a persistent fp32 staging
+list with one ``torch._foreach_copy_``: that costs a second fp32 copy of the model on the EMA
+device, and with ``device="cpu"`` a device-to-host transfer of all weights per update.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import torch
+
+from latentforge.checkpoint import clean_state_dict_keys
+from latentforge.errors import ConfigError, UserError
+
+__all__ = ["EMAConfig", "EMA"]
+
+
+@dataclass
+class EMAConfig:
+    decay: float = field(default=0.9999, metadata={"help": "EMA decay per update: ema = decay*ema + (1-decay)*param"})
+    start_step: int = field(
+        default=0, metadata={"help": "before this optimizer step the EMA copies the weights instead of averaging"}
+    )
+    warmup: bool = field(
+        default=False,
+        metadata={"help": "ramp the decay as min(decay, (1+n)/(10+n)) over the first n updates, so early "
+                          "weights do not dominate"},
+    )
+    device: Literal["same", "cpu"] = field(
+        default="same", metadata={"help": "where the fp32 EMA lives: same device as the model, or CPU memory"}
+    )
+
+    def validate(self) -> None:
+        if not 0 < self.decay < 1:
+            raise ConfigError(f"decay: must be in (0, 1), got {self.decay}")
+        if self.start_step < 0:
+            raise ConfigError(f"start_step: must be >= 0, got {self.start_step}")
+
+
+def _parameters(model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """Names (without compile/DDP prefixes) and detached parameters, shared ones listed once."""
+    named = list(model.named_parameters())
+    names = list(clean_state_dict_keys(dict(named)))
+    return names, [p.detach() for _, p in named]
+
+
+class EMA:
+    """Holds fp32 shadow copies of every parameter of ``model`` (frozen ones included, so that
+    unfreezing in a later phase needs no new EMA)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: EMAConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.names, params = _parameters(model)
+        if not params:
+            raise ValueError("EMA: the model has no parameters")
+        self.device = torch.device("cpu") if cfg.device == "cpu" else params[0].device
+        self.shadow = [p.to(device=self.device, dtype=torch.float32, copy=True) for p in params]
+        self.num_updates = 0  # averaging updates done since start_step (drives the decay warmup)
+        self._staging: list[torch.Tensor] | None = None
+
+    def current_decay(self) -> float:
+        """Decay of the next update; with warmup, the ramp of TensorFlow's
+        ``ExponentialMovingAverage(num_updates=...)``: min(decay, (1 + n) / (10 + n))."""
+        if self.cfg.warmup:
+            return min(self.cfg.decay, (1 + self.num_updates) / (10 + self.num_updates))
+        return self.cfg.decay
+
+    def _fp32_sources(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        if len(params) != len(self.shadow):
+            raise ValueError(f"EMA: the model has {len(params)} parameters, the EMA tracks {len(self.shadow)}")
+        if all(p.dtype == torch.float32 and p.device == self.device for p in params):
+            return params
+        if self._staging is None:
+            self._staging = [torch.empty_like(s) for s in self.shadow]
+        torch._foreach_copy_(self._staging, params)
+        return self._staging
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module, step: int) -> None:
+        """Call after the optimizer step ``step`` (0-based)."""
+        params = list(model.parameters())
+        if step < self.cfg.start_step:
+            torch._foreach_copy_(self.shadow, params)
+            return
+        sources = self._fp32_sources(params)
+        # lerp(ema, p, 1 - decay) = decay * ema + (1 - decay) * p
+        torch._foreach_lerp_(self.shadow, sources, 1.0 - self.current_decay())
+        self.num_updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"params": {name: fp32 tensor}, "num_updates": int}``; the params go to
+        ``ema.safetensors``, num_updates to the checkpoint state."""
+        return {"params": dict(zip(self.names, self.shadow)), "num_updates": self.num_updates}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        params = sd["params"]
+        missing = [n for n in self.names if n not in params]
+        unexpected = [n for n in params if n not in set(self.names)]
+        if missing or unexpected:
+            raise UserError(
+                f"EMA state does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]} "
+                f"({len(missing)} missing, {len(unexpected)} unexpected)"
+            )
+        for name, s in zip(self.names, self.shadow):
+            if params[name].shape != s.shape:
+                raise UserError(f"EMA state {name}: shape {tuple(params[name].shape)}, model has {tuple(s.shape)}")
+        torch._foreach_copy_(self.shadow, [params[n] for n in self.names])
+        self.num_updates = int(sd["num_updates"])
+
+    @torch.no_grad()
+    def copy_to(self, model: torch.nn.Module) -> None:
+        """Overwrite the model's parameters with the EMA (cast to their dtype and device)."""
+        names, params = _parameters(model)
+        if names != self.names:
+            raise ValueError("EMA.copy_to: the model's parameter names differ from the ones the EMA was built from")
+        torch._foreach_copy_(params, self.shadow)
+
+    @contextmanager
+    def swapped_into(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """Evaluate with the EMA weights, then restore the trained ones (costs one copy of the
+        model's parameters on their device while inside)."""
+        _, params = _parameters(model)
+        with torch.no_grad():
+            backup = [p.clone() for p in params]
+        self.copy_to(model)
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, backup)
