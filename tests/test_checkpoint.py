@@ -128,12 +128,14 @@ def test_crashed_writer_is_ignored_then_cleaned(tmp_path, caplog):
     root = tmp_path / "checkpoints"
     leftover = root / f"step-00000002.tmp-{proc.pid}"
     assert leftover.is_dir() and (leftover / "model.safetensors").is_file()
+    with caplog.at_level(logging.WARNING, logger="latentforge.checkpoint"):
+        assert find_latest(tmp_path) == root / "step-00000001"
+    assert f"step-00000002.tmp-{proc.pid}: a checkpoint being written, or left by a crashed writer" in caplog.text
     # A dead writer's directory that even got its marker must not count either.
     complete_but_unrenamed = root / f"step-00000009.tmp-{proc.pid}"
     (root / "step-00000001").rename(complete_but_unrenamed)
     with caplog.at_level(logging.WARNING, logger="latentforge.checkpoint"):
         assert find_latest(tmp_path) is None
-    assert "crashed writer" in caplog.text
     complete_but_unrenamed.rename(root / "step-00000001")
 
     live = root / f"step-00000004.tmp-{os.getppid()}"  # a live process (pytest's parent): left alone

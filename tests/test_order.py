@@ -24,16 +24,17 @@ def test_splitmix64_matches_the_reference_sequence():
 
 
 def test_order_is_pinned_forever():
-    """Checkpoints store only a cursor: if these values change, old runs resume on other data."""
-    assert order.feistel_permute(np.arange(10), 10, 7).tolist() == [4, 9, 1, 7, 0, 3, 8, 5, 6, 2]
+    """Checkpoints store only a cursor: if these values change, old runs resume on other data
+    (then bump loader.ORDER_VERSION, so that old checkpoints are refused)."""
+    assert order.feistel_permute(np.arange(10), 10, 7).tolist() == [5, 1, 8, 6, 2, 7, 9, 4, 3, 0]
     stream = order.StreamOrder([5, 0, 7, 3], seed=11, window_shards=2)
-    assert stream.shard_order(0).tolist() == [2, 3, 1, 0]
+    assert stream.shard_order(0).tolist() == [1, 3, 2, 0]
     loc = stream.sample_at(np.arange(15))
-    assert loc.shard.tolist() == [2, 2, 2, 3, 2, 2, 2, 3, 3, 2, 0, 0, 0, 0, 0]
-    assert loc.row.tolist() == [4, 1, 6, 2, 3, 2, 0, 0, 1, 5, 0, 4, 3, 1, 2]
+    assert loc.shard.tolist() == [3, 3, 3, 2, 2, 2, 2, 0, 0, 0, 2, 2, 0, 0, 2]
+    assert loc.row.tolist() == [1, 0, 2, 0, 2, 3, 4, 3, 4, 2, 6, 1, 0, 1, 5]
     d, q = order.Mixture([2, 1], 6, seed=3).mix_at(np.arange(12))
-    assert d.tolist() == [1, 0, 0, 0, 0, 1, 1, 0, 0, 1, 0, 0]
-    assert q.tolist() == [0, 3, 2, 1, 0, 1, 3, 6, 7, 2, 4, 5]
+    assert d.tolist() == [0, 1, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0]
+    assert q.tolist() == [3, 1, 0, 1, 0, 2, 7, 2, 5, 6, 3, 4]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 1000, 4097, 100_003])
@@ -116,8 +117,12 @@ def test_mixture_exact_per_block_and_streams_without_gaps():
         assert np.array_equal(np.sort(q[d == k]), np.arange(c * 50))  # each stream read once, no gap
     first = d[:100]
     assert not np.array_equal(first, np.sort(first))  # datasets interleaved within a block
-    for k in range(3):
-        assert mix.stream_position_at(k, 1234) == 12 * mix.counts[k]
+    for k in range(3):  # what global positions [1234, 1500) can read of each stream
+        lo, hi = mix.stream_range(k, 1234, 1500)
+        assert (lo, hi) == (12 * mix.counts[k], 15 * mix.counts[k])
+        touched = q[1234:1500][d[1234:1500] == k]
+        assert lo <= touched.min() and touched.max() < hi
+    assert order.Mixture([1.0], 100, 0).stream_range(0, 1234, 1500) == (1234, 1500)
 
 
 def test_mixture_resume_anywhere_is_the_same_sequence():

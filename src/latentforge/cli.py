@@ -61,6 +61,63 @@ def cmd_encode(ns, overrides):
           f"{sum(summary['rejected'].values())} -> {ns.out}")
 
 
+def cmd_train_vae(ns, overrides):
+    from latentforge.train.vae import train_vae
+
+    shortcuts = {"vae.steps": ns.steps, "vae.eval_dataset": ns.eval}
+    if ns.raw_dir:
+        shortcuts["vae.data.datasets"] = [{"path": p} for p in ns.raw_dir]
+    recipe = _recipe(ns, overrides, shortcuts)
+    if not recipe.vae.data.datasets:
+        raise UserError("train-vae: give RAW_DIR (raw shards from ingest) or set vae.data.datasets")
+    m = train_vae(recipe.vae, ns.out, progress=not ns.quiet)
+    psnr = f"{m['heldout_psnr']:.2f} dB" if m["heldout_psnr"] is not None else "not measured (no --eval)"
+    print(f"train-vae: {m['steps']} steps in {m['train_seconds']} s, held-out PSNR {psnr}, "
+          f"scaling_factor {m['scaling_factor']:.4f} -> {ns.out}")
+
+
+def cmd_train(ns, overrides):
+    from latentforge.train.run import RunConfig, train
+
+    recipe = _recipe(ns, overrides, {})
+    summary = train(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, resume=ns.resume,
+                    progress=not ns.quiet)
+    state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
+    print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s -> {ns.run_dir}")
+
+
+def cmd_sample(ns, overrides):
+    from pathlib import Path
+
+    from latentforge.inference import generate, load_components, make_grid
+
+    comps = load_components(ns.checkpoint, use_ema=not ns.no_ema)
+    prompts = [p for p in ns.prompt for _ in range(ns.num_per_prompt)]
+    images = generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length,
+                      prompts, seed=ns.seed, num_steps=ns.steps, guidance_scale=ns.cfg, sampler=ns.sampler)
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, img in enumerate(images):
+        img.save(out / f"{i:04d}.png")
+    make_grid(images, prompts, scale=max(1, 128 // images[0].width)).save(out / "grid.png")
+    (out / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    print(f"sample: {len(images)} images and grid.png -> {out}")
+
+
+def cmd_export(ns, overrides):
+    from latentforge.export.diffusers_pipeline import export_pipeline
+
+    out = export_pipeline(ns.checkpoint, ns.out, use_ema=not ns.no_ema, scheduler=ns.scheduler)
+    print(f"export: diffusers StableDiffusionPipeline -> {out}")
+
+
+def cmd_demo(ns, overrides):
+    from latentforge.demo import run_demo
+
+    recipe = _recipe(ns, overrides, {})
+    run_demo(recipe, ns.out, progress=not ns.quiet)
+
+
 def cmd_config(ns, overrides):
     import yaml
 
@@ -108,6 +165,39 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--text-encoder", dest="text_encoder", help="transformers text encoder directory or hub id")
     sp.add_argument("--out", required=True, help="output directory (local)")
     sp.add_argument("--batch-size", dest="batch_size", type=int, help="encode.batch_size")
+
+    sp = add("train-vae", cmd_train_vae, "train a small AutoencoderKL from scratch on raw shards; measures the latent "
+             "scale factor and writes a diffusers VAE directory")
+    sp.add_argument("raw_dir", nargs="*", metavar="RAW_DIR", help="raw shards written by ingest")
+    sp.add_argument("--out", required=True, help="output directory (a diffusers AutoencoderKL)")
+    sp.add_argument("--eval", help="raw shards held out for the PSNR report (vae.eval_dataset)")
+    sp.add_argument("--steps", type=int, help="optimizer steps (vae.steps)")
+
+    sp = add("train", cmd_train, "train the latent diffusion U-Net on latent shards (phases, EMA, checkpoints); "
+             "resumes from the newest complete checkpoint")
+    sp.add_argument("run_dir", metavar="RUN_DIR", help="run directory: checkpoints, logs, samples")
+    sp.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a checkpoint dir")
+
+    sp = add("sample", cmd_sample, "generate images and a grid from a checkpoint (or a run's newest one)")
+    sp.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory")
+    sp.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    sp.add_argument("--out", default="samples", help="output directory")
+    sp.add_argument("--cfg", type=float, default=5.0, help="classifier-free guidance scale")
+    sp.add_argument("--steps", type=int, default=30, help="sampler steps")
+    sp.add_argument("--sampler", default="ddim", choices=["ddim", "dpm++", "euler", "ddpm"])
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--num-per-prompt", dest="num_per_prompt", type=int, default=1)
+    sp.add_argument("--no-ema", dest="no_ema", action="store_true", help="use the raw weights, not the EMA")
+
+    sp = add("export", cmd_export, "write a diffusers StableDiffusionPipeline directory from a checkpoint")
+    sp.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory")
+    sp.add_argument("--out", required=True, help="output directory (new)")
+    sp.add_argument("--scheduler", default="ddim", choices=["ddim", "dpm++", "euler", "ddpm"])
+    sp.add_argument("--no-ema", dest="no_ema", action="store_true", help="export the raw weights, not the EMA")
+
+    sp = add("demo", cmd_demo, "the end-to-end demo on the built-in dataset (recipe tiny-cpu by default)")
+    sp.add_argument("--out", default="runs/demo", help="output directory (default runs/demo); a rerun resumes")
+    sp.set_defaults(recipe="tiny-cpu")
 
     cfg = sub.add_parser("config", help="show the resolved config of a recipe",
                          description="Print a recipe with its overrides applied and validated.")

@@ -14,6 +14,8 @@ from latentforge.data.encode import EncodeConfig
 from latentforge.data.ingest import IngestConfig
 from latentforge.data.loader import LoaderConfig
 from latentforge.data.synth import SynthConfig
+from latentforge.train.trainer import TrainConfig
+from latentforge.train.vae import VAETrainConfig
 
 
 @dataclass
@@ -24,6 +26,8 @@ class Recipe:
     ingest: IngestConfig = field(default_factory=IngestConfig, metadata={"help": "sources -> raw shards"})
     encode: EncodeConfig = field(default_factory=EncodeConfig, metadata={"help": "raw shards -> latent shards"})
     loader: LoaderConfig = field(default_factory=LoaderConfig, metadata={"help": "the training data loader"})
+    vae: VAETrainConfig = field(default_factory=VAETrainConfig, metadata={"help": "train-vae: an autoencoder from scratch"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "train: the latent diffusion U-Net"})
 
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"

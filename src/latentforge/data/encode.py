@@ -38,12 +38,36 @@ from tqdm import tqdm
 
 from latentforge import storage
 from latentforge.config import save_config
-from latentforge.data.schema import INDEX, DatasetIndex, ShardInfo, ndarray_type, read_index, read_shard, write_index, write_shard
+from latentforge.data.schema import (
+    INDEX,
+    DatasetIndex,
+    ShardInfo,
+    ndarray_type,
+    read_index,
+    read_shard,
+    write_index,
+    write_shard,
+)
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.autoencoder import first_line, load_vae, vae_fingerprint, vae_meta
-from latentforge.models.text import encode_text, load_text_encoder, resolve_max_length, text_encoder_fingerprint, text_encoder_meta
+from latentforge.models.text import (
+    encode_text,
+    load_text_encoder,
+    resolve_max_length,
+    text_encoder_fingerprint,
+    text_encoder_meta,
+)
 
-__all__ = ["EncodeConfig", "encode_dataset", "decode_image", "RejectedImage", "EMPTY_PROMPT", "REJECTED", "SUMMARY", "CONFIG_FILE"]
+__all__ = [
+    "EncodeConfig",
+    "encode_dataset",
+    "decode_image",
+    "RejectedImage",
+    "EMPTY_PROMPT",
+    "REJECTED",
+    "SUMMARY",
+    "CONFIG_FILE",
+]
 
 EMPTY_PROMPT = "empty_prompt.safetensors"
 REJECTED = "rejected.jsonl"
@@ -76,13 +100,17 @@ class EncodeConfig:
     storage_dtype: Literal["float16", "float32"] = field(default="float16", metadata={
         "help": "dtype of the stored latents and text embeddings (float16 halves disk and read cost)"})
 
-    def validate(self) -> None:
+    def require_models(self) -> None:
+        """The model paths may be left empty in a recipe and given on the command line."""
         if not self.vae:
-            raise ConfigError("vae: required: a diffusers AutoencoderKL directory or hub id (--vae PATH)")
+            raise ConfigError("encode.vae: required: a diffusers AutoencoderKL directory or hub id (--vae PATH)")
         if not self.text_encoder:
-            raise ConfigError("text_encoder: required: a text encoder directory or hub id (--text-encoder PATH)")
+            raise ConfigError("encode.text_encoder: required: a text encoder directory or hub id (--text-encoder PATH)")
+
+    def validate(self) -> None:
         if self.max_length is not None and self.max_length < 1:
-            raise ConfigError(f"max_length: must be at least 1 (or null for the tokenizer's own), got {self.max_length}")
+            raise ConfigError(f"max_length: must be at least 1 (or null for the tokenizer's own), "
+                              f"got {self.max_length}")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size: must be at least 1, got {self.batch_size}")
 
@@ -196,8 +224,9 @@ class _Encoders:
         self.resolved = dataclasses.replace(cfg, max_length=self.max_length, text_dtype=text_dtype,
                                             tokenizer=cfg.tokenizer or cfg.text_encoder)
         self.vae_info = {"path": cfg.vae, "fingerprint": vae_fp, **vae_meta(self.vae), "dtype": cfg.vae_dtype}
-        self.text_info = {"path": cfg.text_encoder, "tokenizer_path": self.resolved.tokenizer, "fingerprint": text_fp,
-                          **text_encoder_meta(self.text, self.tokenizer, self.max_length), "dtype": text_dtype}
+        self.text_info = {"path": cfg.text_encoder, "tokenizer_path": self.resolved.tokenizer,
+                          "fingerprint": text_fp, **text_encoder_meta(self.text, self.tokenizer, self.max_length),
+                          "dtype": text_dtype}
 
     def text_arrays(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
         out = encode_text(self.text, self.tokenizer, captions, self.max_length)
@@ -207,7 +236,8 @@ class _Encoders:
     def latent_arrays(self, pixels: np.ndarray) -> dict[str, np.ndarray]:
         x = torch.from_numpy(pixels).to(device=self.vae.device, dtype=self.vae.dtype)
         dist = self.vae.encode(x).latent_dist
-        return {"latent_mean": _to_storage(dist.mean, self.storage), "latent_std": _to_storage(dist.std, self.storage)}
+        return {"latent_mean": _to_storage(dist.mean, self.storage),
+                "latent_std": _to_storage(dist.std, self.storage)}
 
 
 def _encode_shard(raw_uri: str, out: Path, name: str, enc: _Encoders, columns: dict[str, str],
@@ -234,7 +264,8 @@ def _encode_shard(raw_uri: str, out: Path, name: str, enc: _Encoders, columns: d
                     rejected.append({"shard": name, "key": keys[i], "reason": "non_finite",
                                      "detail": f"{', '.join(bad)} not finite in {enc.storage.name}"})
                     continue
-                rows.append({"key": keys[i], "caption": captions[i], "width": widths[i], "height": heights[i], **sample})
+                rows.append({"key": keys[i], "caption": captions[i], "width": widths[i], "height": heights[i],
+                             **sample})
         bar.update(min(start + batch_size, len(keys)) - start)
     info = write_shard(out / name, rows, columns)
     done = {"name": name, "seen": len(keys), "written": info.num_samples, "num_bytes": info.num_bytes,
@@ -250,13 +281,15 @@ def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool
     ``out_dir/summary.json``); shards finished by an earlier run with the same inputs are kept.
     """
     cfg.validate()
+    cfg.require_models()
     raw = read_index(raw_dir)
     resolution = _check_raw(raw_dir, raw)
     device = _resolve_device(cfg.device)
     enc = _Encoders(cfg, device)
     factor = enc.vae_info["downsample_factor"]
     if resolution % factor:
-        raise UserError(f"{raw_dir}: resolution {resolution} is not a multiple of the VAE's downsample factor {factor}")
+        raise UserError(f"{raw_dir}: resolution {resolution} is not a multiple of the VAE's "
+                        f"downsample factor {factor}")
     source_fp = hashlib.sha256(storage.read_bytes(storage.join(raw_dir, INDEX))).hexdigest()
     meta = {
         "resolution": resolution,

@@ -20,7 +20,6 @@ both ahead of the workers, and evicts the least recently opened shards that no p
 
 from __future__ import annotations
 
-import collections
 import fcntl
 import hashlib
 import itertools
@@ -88,17 +87,18 @@ class LoaderConfig:
         "help": "global positions per mixing block: each block holds exactly the weighted share of every dataset"})
     caption_dropout: float = field(default=0.0, metadata={
         "help": "probability in [0, 1) of replacing a caption by the empty one (classifier-free guidance training)"})
-    num_workers: int = field(default=2, metadata={"help": "DataLoader worker processes per rank (0 = in the training process)"})
+    num_workers: int = field(default=2, metadata={
+        "help": "DataLoader worker processes per rank (0 = read in the training process)"})
     prefetch_factor: int = field(default=2, metadata={"help": "batches each worker prepares ahead"})
-    pin_memory: bool = field(default=False, metadata={"help": "page-locked batches for faster host-to-GPU copies (CUDA)"})
+    pin_memory: bool = field(default=False, metadata={
+        "help": "page-locked batches for faster host-to-GPU copies (CUDA)"})
     cache_dir: str = field(default="", metadata={
         "help": "node-local directory of converted shards; empty = $XDG_CACHE_HOME or ~/.cache /latentforge/shards"})
     cache_limit_gb: float = field(default=64.0, metadata={
         "help": "size bound of cache_dir in GB (1e9 bytes); least recently used shards not in use are evicted"})
 
     def validate(self) -> None:
-        if not self.datasets:
-            raise ConfigError("datasets: empty: list at least one dataset directory ({path: ..., weight: ...})")
+        # An empty list is valid in a recipe (commands fill it in); open_dataset refuses it.
         for i, ds in enumerate(self.datasets):
             try:
                 ds.validate()
@@ -108,8 +108,9 @@ class LoaderConfig:
             raise ConfigError(f"caption_dropout: must be in [0, 1), got {self.caption_dropout}")
         if self.shuffle_window_shards < 1:
             raise ConfigError(f"shuffle_window_shards: must be >= 1, got {self.shuffle_window_shards}")
-        if self.mix_block < len(self.datasets):
-            raise ConfigError(f"mix_block: {self.mix_block} is less than the number of datasets ({len(self.datasets)})")
+        if self.mix_block < max(1, len(self.datasets)):
+            raise ConfigError(f"mix_block: {self.mix_block} is less than the number of datasets "
+                              f"({len(self.datasets)})")
         if self.num_workers < 0:
             raise ConfigError(f"num_workers: must be >= 0, got {self.num_workers}")
         if self.prefetch_factor < 1:
@@ -142,8 +143,9 @@ def collate_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class _ShardReader:
-    """Row access to one memory-mapped shard: column buffers extracted once, so a row costs a
-    few slices (about 10 us for a 60 KB ndarray column, the copy included)."""
+    """Column access to one memory-mapped shard. Buffers are extracted once at open; ndarray
+    columns become (rows, bytes) views per record batch, so gathering a batch's rows of a column
+    is one numpy fancy-index copy, with no per-sample allocation."""
 
     def __init__(self, table: pa.Table, columns: dict[str, str], fd: int, where: str) -> None:
         self.fd = fd  # holds the shared lock that keeps the file from being evicted
@@ -152,24 +154,25 @@ class _ShardReader:
         self.last_tag = -1  # latest (epoch, window) it served, as epoch * num_windows + window
         batches = table.to_batches()
         self._starts = np.cumsum([0] + [b.num_rows for b in batches])
-        self._cols = []
+        self._fixed = []  # (name, dtype, shape, per batch: uint8 array of shape (rows, nbytes))
+        self._other = []  # (name, coltype, per batch: (offsets or values, data or None, array if nulls))
         for name, coltype in columns.items():
-            per_batch = [self._extract(b.column(name)) for b in batches]
             if coltype.startswith("ndarray:"):
                 dtype, shape = parse_ndarray(coltype)
-                spec = (dtype, shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                self._fixed.append((name, dtype, shape, [self._rows_view(b.column(name), name, coltype, nbytes)
+                                                         for b in batches]))
             else:
-                spec = None
-            self._cols.append((name, coltype, spec, per_batch))
+                self._other.append((name, coltype, [self._extract(b.column(name)) for b in batches]))
 
     @staticmethod
     def _extract(arr: pa.Array) -> tuple[np.ndarray, np.ndarray | None, pa.Array | None]:
-        """(offsets or values, data bytes or None, the array itself if it has nulls)."""
         bufs = arr.buffers()
         nulls = arr if arr.null_count else None
         t = arr.type
         if pa.types.is_integer(t) or pa.types.is_floating(t):
-            values = np.frombuffer(bufs[1], dtype=t.to_pandas_dtype(), count=len(arr), offset=arr.offset * t.byte_width)
+            values = np.frombuffer(bufs[1], dtype=t.to_pandas_dtype(), count=len(arr),
+                                   offset=arr.offset * t.byte_width)
             return values, None, nulls
         large = pa.types.is_large_binary(t) or pa.types.is_large_string(t)
         off_dtype = np.dtype(np.int64 if large else np.int32)
@@ -177,41 +180,50 @@ class _ShardReader:
         data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.empty(0, np.uint8)
         return offsets, data, nulls
 
+    def _rows_view(self, arr: pa.Array, name: str, coltype: str, nbytes: int) -> np.ndarray:
+        offsets, data, nulls = self._extract(arr)
+        if nulls is not None:
+            raise UserError(f"{self.where}: column {name!r} has rows without a value")
+        sizes = np.diff(offsets)
+        if sizes.size and (sizes != nbytes).any():
+            bad = int(np.argmax(sizes != nbytes))
+            raise UserError(f"{self.where}: a value of column {name!r} holds {sizes[bad]} bytes, "
+                            f"its type {coltype} needs {nbytes}")
+        first = int(offsets[0]) if offsets.size else 0
+        return data[first:first + len(arr) * nbytes].reshape(len(arr), nbytes)
+
     @property
     def num_rows(self) -> int:
         return int(self._starts[-1])
 
-    def row(self, r: int) -> dict[str, Any]:
-        b = int(np.searchsorted(self._starts, r, side="right")) - 1
-        i = r - int(self._starts[b])
-        out: dict[str, Any] = {}
-        for name, coltype, spec, per_batch in self._cols:
-            first, data, nulls = per_batch[b]
-            if nulls is not None and not nulls[i].is_valid:
-                if spec is not None:
-                    raise UserError(f"{self.where}: row {r} has no value in ndarray column {name!r}")
-                out[name] = {} if coltype == "json" else None
-                continue
-            if data is None:
-                v = first[i]
-                out[name] = int(v) if coltype == "int64" else float(v)
-                continue
-            s, e = int(first[i]), int(first[i + 1])
-            if spec is not None:
-                dtype, shape, nbytes = spec
-                if e - s != nbytes:
-                    raise UserError(f"{self.where}: row {r} column {name!r} holds {e - s} bytes, "
-                                    f"its type {coltype} needs {nbytes}")
-                out[name] = torch.from_numpy(data[s:e].view(dtype).reshape(shape).copy())
-            elif coltype == "bytes":
-                out[name] = data[s:e].tobytes()
-            else:
-                text = data[s:e].tobytes().decode("utf-8")
-                out[name] = (json.loads(text) if text else {}) if coltype == "json" else text
-        return out
+    def read_into(self, rows: np.ndarray, slots: np.ndarray, arrays: dict[str, np.ndarray],
+                  values: dict[str, list]) -> None:
+        """Copy ``rows`` of this shard into position ``slots`` of the batch: ndarray columns into
+        ``arrays[name]`` (batch, *shape), the others into the lists ``values[name]``."""
+        chunk = np.searchsorted(self._starts, rows, side="right") - 1
+        for c in np.unique(chunk):
+            sel = chunk == c
+            r = rows[sel] - self._starts[c]
+            where = slots[sel]
+            for name, dtype, shape, per_batch in self._fixed:
+                arrays[name][where] = per_batch[c][r].view(dtype).reshape(-1, *shape)
+            for name, coltype, per_batch in self._other:
+                first, data, nulls = per_batch[c]
+                out = values[name]
+                for i, slot in zip(r.tolist(), where.tolist()):
+                    if nulls is not None and not nulls[i].is_valid:
+                        out[slot] = {} if coltype == "json" else None
+                    elif data is None:
+                        out[slot] = first[i].item()
+                    elif coltype == "bytes":
+                        out[slot] = data[first[i]:first[i + 1]].tobytes()
+                    else:
+                        text = data[first[i]:first[i + 1]].tobytes().decode("utf-8")
+                        out[slot] = (json.loads(text) if text else {}) if coltype == "json" else text
 
     def close(self) -> None:
         self.table = None
+        self._fixed = self._other = []
         os.close(self.fd)  # releases the shared lock
 
 
@@ -232,7 +244,8 @@ def _pid_alive(pid: int) -> bool:
 class ShardCache:
     """Shards as uncompressed Arrow IPC files in a node-local directory bounded by ``limit_bytes``.
 
-    Safe for all processes of a node (ranks and their workers) sharing one directory:
+    Safe for all processes of a node (ranks and their workers) sharing one directory; the
+    directory must be node-local (liveness of a conversion is judged by its process id):
 
     - ``<key>.arrow``: a complete shard, renamed into place when whole;
     - ``.tmp-<pid>-<tid>-<key>.*``: conversions in progress (removed if their process died);
@@ -254,8 +267,9 @@ class ShardCache:
         self.limit_bytes = int(limit_bytes)
         self.roots = list(roots)
         self.indexes = list(indexes)
-        self._keys = [
-            [hashlib.sha1(f"{root}|{s.name}|{s.num_bytes}|{s.num_samples}".encode()).hexdigest()[:24] for s in idx.shards]
+        self._keys = [  # a rewritten shard (other size) gets another key, so no stale copy is read
+            [hashlib.sha1(f"{root}|{s.name}|{s.num_bytes}|{s.num_samples}".encode()).hexdigest()[:24]
+             for s in idx.shards]
             for root, idx in zip(self.roots, self.indexes)
         ]
         self._readers: dict[tuple[int, int], _ShardReader] = {}
@@ -466,12 +480,14 @@ class LoaderDataset(Dataset):
     """Map-style dataset over global positions: ``dataset[p]`` is the sample at global position p,
     with ``_position``, ``_dataset`` (index into the config's datasets) and ``_caption_dropped``.
 
-    ``__getitems__`` (used by DataLoader for a whole micro batch) computes the order vectorised.
+    ``__getitems__`` (used by DataLoader for a whole micro batch) computes the order vectorised
+    and gathers each ndarray column into one tensor; the samples' tensors are its rows (views),
+    so the default collate's stack is the only other copy.
     """
 
     def __init__(self, kind: str, columns: dict[str, str], streams: list[order.StreamOrder],
                  mixture: order.Mixture, cache: ShardCache, seed: int, caption_dropout: float,
-                 empty_prompts: list[dict[str, torch.Tensor]] | None, fingerprint: dict[str, Any]) -> None:
+                 empty_prompts: list[dict[str, np.ndarray]] | None, fingerprint: dict[str, Any]) -> None:
         self.kind = kind
         self.columns = columns
         self.streams = streams
@@ -481,6 +497,7 @@ class LoaderDataset(Dataset):
         self.caption_dropout = caption_dropout
         self.empty_prompts = empty_prompts
         self.fingerprint = fingerprint
+        self._ndarray_columns = {name: parse_ndarray(t) for name, t in columns.items() if t.startswith("ndarray:")}
 
     @property
     def samples_per_epoch(self) -> int:
@@ -492,48 +509,48 @@ class LoaderDataset(Dataset):
 
     def __getitems__(self, positions: Sequence[int]) -> list[dict[str, Any]]:
         pos = np.asarray(positions, dtype=np.int64)
+        n = pos.size
         ds, q = self.mixture.mix_at(pos)
         if self.caption_dropout > 0:
             dropped = order.caption_dropped(self.seed, pos, self.caption_dropout)
         else:
-            dropped = np.zeros(pos.size, dtype=bool)
-        shard = np.empty_like(pos)
-        row = np.empty_like(pos)
-        tag = np.empty_like(pos)
+            dropped = np.zeros(n, dtype=bool)
+        # ndarray columns are gathered into one tensor per column and handed out as row views
+        tensors = {name: torch.empty((n, *shape), dtype=_torch_dtype(dtype))
+                   for name, (dtype, shape) in self._ndarray_columns.items()}
+        arrays = {name: t.numpy() for name, t in tensors.items()}
+        values: dict[str, list] = {name: [None] * n for name in self.columns if name not in tensors}
         for d in np.unique(ds):
-            sel = ds == d
+            in_d = np.flatnonzero(ds == d)
             stream = self.streams[d]
-            loc = stream.sample_at(q[sel])
-            shard[sel], row[sel] = loc.shard, loc.row
-            tag[sel] = loc.epoch * stream.num_windows + loc.window
-            self.cache.release_before(int(d), int(tag[sel].min()))
-        out = []
-        for i in range(pos.size):
-            d = int(ds[i])
-            sample = self.cache.reader(d, int(shard[i]), int(tag[i])).row(int(row[i]))
-            if dropped[i]:
-                self._drop_caption(sample, d)
-            sample["_position"] = int(pos[i])
-            sample["_dataset"] = d
-            sample["_caption_dropped"] = bool(dropped[i])
-            out.append(sample)
-        return out
-
-    def _drop_caption(self, sample: dict[str, Any], dataset: int) -> None:
-        if "caption" in sample:
-            sample["caption"] = ""
-        if self.empty_prompts is not None:
-            for name, value in self.empty_prompts[dataset].items():
-                sample[name] = value.clone()
+            loc = stream.sample_at(q[in_d])
+            tag = loc.epoch * stream.num_windows + loc.window
+            self.cache.release_before(int(d), int(tag.min()))
+            shard_tag = {}
+            for s, t in zip(loc.shard.tolist(), tag.tolist()):
+                shard_tag[s] = max(t, shard_tag.get(s, t))
+            for s in sorted(shard_tag):
+                sel = loc.shard == s
+                self.cache.reader(int(d), s, shard_tag[s]).read_into(loc.row[sel], in_d[sel], arrays, values)
+        for i in np.flatnonzero(dropped).tolist():
+            if "caption" in values:
+                values["caption"][i] = ""
+            if self.empty_prompts is not None:
+                for name, empty in self.empty_prompts[int(ds[i])].items():
+                    arrays[name][i] = empty
+        columns = {name: tensors[name].unbind(0) if name in tensors else values[name] for name in self.columns}
+        columns["_position"] = pos.tolist()
+        columns["_dataset"] = ds.tolist()
+        columns["_caption_dropped"] = dropped.tolist()
+        return [dict(zip(columns, row)) for row in zip(*columns.values())]
 
     def prefetch_targets(self, position: int, lookahead: int) -> list[tuple[int, int]]:
         """(dataset, shard) pairs that reading global positions [position, position + lookahead)
         touches, plus the next window of each dataset; the current windows first."""
         per_dataset = []
         for d, stream in enumerate(self.streams):
-            lo = self.mixture.stream_position_at(d, position)
-            hi = self.mixture.stream_position_at(d, position + lookahead) + int(self.mixture.counts[d])
-            first, last = _window_pair(stream, lo, hi)
+            lo, hi = self.mixture.stream_range(d, position, position + lookahead)
+            first, last = _window_pair(stream, lo, max(lo, hi - 1))
             windows = []
             e, w = first
             while True:
@@ -602,19 +619,23 @@ class _Prefetcher:
             self._thread.join()
             self._thread = None
 
-    def _run(self) -> None:
+    def run_once(self) -> None:
+        """Convert the missing shards of the windows around the cursor, in reading order."""
         cache = self.dataset.cache
+        targets = self.dataset.prefetch_targets(self._cursor, self.lookahead)
+        protect = frozenset(cache.key(d, s) for d, s in targets)
+        for d, s in targets:
+            if self._stopping or not cache.fetch(d, s, prefetch=True, protect=protect):
+                return  # no room until the readers move on: retried at the next batch
+
+    def _run(self) -> None:
         try:
             while True:
                 self._wake.wait()
                 self._wake.clear()
                 if self._stopping:
                     return
-                targets = self.dataset.prefetch_targets(self._cursor, self.lookahead)
-                protect = frozenset(cache.key(d, s) for d, s in targets)
-                for d, s in targets:
-                    if self._stopping or not cache.fetch(d, s, prefetch=True, protect=protect):
-                        break  # no room until readers move on: retried at the next batch
+                self.run_once()
         except BaseException as e:  # noqa: BLE001 -- handed to the training thread by advance()
             self.error = e
 
@@ -714,8 +735,8 @@ def _check_fingerprint(saved: Any, current: dict[str, Any]) -> None:
                           if x.get(f) != y.get(f)]
         elif a != b:
             diffs.append(f"{k}: {a!r} -> {b!r}")
-    raise UserError("data loader state: the checkpoint was made with another data order ("
-                    + "; ".join(diffs) + "); the cursor would point elsewhere: restore the data config or start a new run")
+    raise UserError("data loader state: the checkpoint was made with another data order (" + "; ".join(diffs)
+                    + "); the cursor would point elsewhere: restore the data config or start a new run")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -732,19 +753,23 @@ def _content_digest(index: DatasetIndex) -> str:
     return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
+
+
 def _check_columns(root: str, columns: dict[str, str]) -> None:
     for name, coltype in columns.items():
         if coltype.startswith("ndarray:"):
             try:
-                dtype, _ = parse_ndarray(coltype)
-                torch.from_numpy(np.zeros(1, dtype=dtype))
+                _torch_dtype(parse_ndarray(coltype)[0])
             except (TypeError, ValueError):
-                raise UserError(f"{root}: column {name!r} has type {coltype!r}, not a numpy dtype torch can hold") from None
+                raise UserError(f"{root}: column {name!r} has type {coltype!r}, "
+                                "not a numpy dtype torch can hold") from None
         elif coltype not in ("str", "int64", "float64", "bytes", "json"):
             raise UserError(f"{root}: column {name!r} has unknown type {coltype!r}")
 
 
-def _load_empty_prompt(root: str, columns: dict[str, str]) -> dict[str, torch.Tensor]:
+def _load_empty_prompt(root: str, columns: dict[str, str]) -> dict[str, np.ndarray]:
     import safetensors.numpy
 
     uri = storage.join(root, EMPTY_PROMPT)
@@ -759,7 +784,7 @@ def _load_empty_prompt(root: str, columns: dict[str, str]) -> dict[str, torch.Te
         dtype, shape = parse_ndarray(coltype)
         if tuple(arr.shape) != shape:
             raise UserError(f"{uri}: tensor {name!r} has shape {tuple(arr.shape)}, column {name!r} is {coltype}")
-        out[name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=dtype.newbyteorder("=")))
+        out[name] = np.asarray(arr, dtype=dtype)
     if not out:
         raise UserError(f"{uri}: holds no tensors")
     return out
@@ -768,13 +793,16 @@ def _load_empty_prompt(root: str, columns: dict[str, str]) -> dict[str, torch.Te
 def open_dataset(cfg: LoaderConfig) -> LoaderDataset:
     """Read the datasets' indexes, check they can be read together, and set up order and cache."""
     cfg.validate()
+    if not cfg.datasets:
+        raise ConfigError("datasets: empty: list at least one dataset directory ({path: ..., weight: ...})")
     roots = [_dataset_root(s.path) for s in cfg.datasets]
     indexes = [read_index(r) for r in roots]
     kind, columns = indexes[0].kind, indexes[0].columns
     for root, idx in zip(roots, indexes):
         if idx.kind != kind or idx.columns != columns:
             raise UserError(f"{root}: kind {idx.kind!r} with columns {idx.columns} cannot be mixed with {roots[0]} "
-                            f"(kind {kind!r}, columns {columns}): mix datasets of one kind made by the same encode settings")
+                            f"(kind {kind!r}, columns {columns}): mix datasets of one kind, made by the same "
+                            "encode settings")
         if idx.num_samples == 0:
             raise UserError(f"{root}: the dataset has no samples")
     _check_columns(roots[0], columns)
@@ -785,12 +813,16 @@ def open_dataset(cfg: LoaderConfig) -> LoaderDataset:
         if c == 0:
             raise ConfigError(f"mix_block: a block of {cfg.mix_block} positions gives datasets[{i}] (weight "
                               f"{weights[i]}) no sample: raise mix_block or that weight")
-    streams = [order.StreamOrder([s.num_samples for s in idx.shards], cfg.seed, i, cfg.shuffle, cfg.shuffle_window_shards)
+    streams = [order.StreamOrder([s.num_samples for s in idx.shards], cfg.seed, stream_id=i, shuffle=cfg.shuffle,
+                                 window_shards=cfg.shuffle_window_shards)
                for i, idx in enumerate(indexes)]
 
+    # The current and the next window of every dataset, plus one conversion in flight (an S3
+    # download next to its Arrow file); less would evict shards before they are read.
     limit = int(cfg.cache_limit_gb * _GB)
     largest = [max(s.num_bytes for s in idx.shards) for idx in indexes]
-    needed = sum(2 * cfg.shuffle_window_shards * b for b in largest) + 2 * max(largest)
+    needed = sum(min(2 * cfg.shuffle_window_shards, len(idx.shards)) * b for idx, b in zip(indexes, largest))
+    needed += 2 * max(largest)
     if limit < needed:
         raise ConfigError(f"cache_limit_gb: {cfg.cache_limit_gb} cannot hold two shuffle windows of "
                           f"{cfg.shuffle_window_shards} shards (up to {max(largest) / 1e6:.1f} MB each) per dataset; "
@@ -809,7 +841,8 @@ def open_dataset(cfg: LoaderConfig) -> LoaderDataset:
         "datasets": [{"weight": w, "num_samples": idx.num_samples, "content": _content_digest(idx)}
                      for w, idx in zip(weights, indexes)],
     }
-    return LoaderDataset(kind, columns, streams, mixture, cache, cfg.seed, cfg.caption_dropout, empty_prompts, fingerprint)
+    return LoaderDataset(kind, columns, streams, mixture, cache, cfg.seed, cfg.caption_dropout, empty_prompts,
+                         fingerprint)
 
 
 def build_loader(cfg: LoaderConfig, micro_batch_size: int, rank: int = 0, world_size: int = 1,

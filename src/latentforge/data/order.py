@@ -43,7 +43,7 @@ __all__ = [
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
-FEISTEL_ROUNDS = 6  # 4 suffice for a pseudo-random permutation (Luby-Rackoff); 2 more cost little
+FEISTEL_ROUNDS = 6  # even (the half widths swap back); 4 suffice for Luby-Rackoff, 2 more cost little
 
 # Domain tags keep the hashes of different uses independent (part of the order: never change).
 _TAG_SHARDS = 1
@@ -62,20 +62,24 @@ def _u64(x) -> np.ndarray:
     return np.atleast_1d(a)
 
 
-def splitmix64(x) -> np.ndarray:
-    """splitmix64 output function (Steele, Lea, Flood 2014, "Fast splittable pseudorandom number
-    generators"; constants of Java's SplittableRandom), elementwise on uint64."""
-    z = _u64(x) + np.uint64(_GOLDEN)
+def _mix(z: np.ndarray) -> np.ndarray:
+    z = z + np.uint64(_GOLDEN)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+def splitmix64(x) -> np.ndarray:
+    """splitmix64 output function (Steele, Lea, Flood 2014, "Fast splittable pseudorandom number
+    generators"; constants of Java's SplittableRandom), elementwise on uint64."""
+    return _mix(_u64(x))
 
 
 def hash64(*parts) -> np.ndarray:
     """A 64-bit hash of a tuple of integers (each an int or an array; arrays broadcast)."""
     h = splitmix64(parts[0])
     for p in parts[1:]:
-        h = splitmix64(h ^ _u64(p))
+        h = _mix(h ^ _u64(p))
     return h
 
 
@@ -85,27 +89,32 @@ def _bit_length(v: np.ndarray) -> np.ndarray:
 
 
 def feistel_permute(x, n, key) -> np.ndarray:
-    """Image of ``x`` under a keyed bijection of [0, n): a balanced Feistel network (Luby &
-    Rackoff 1988) over the next even power of two, restricted to [0, n) by cycle-walking (Black &
+    """Image of ``x`` under a keyed bijection of [0, n): a Feistel network (Luby & Rackoff 1988)
+    over the next power of two, its two halves a and b = a or a - 1 bits wide, swapping widths
+    every round (an even number of rounds), restricted to [0, n) by cycle-walking (Black &
     Rogaway 2002, "Ciphers with arbitrary finite domains"). ``x``, ``n`` and ``key`` broadcast.
 
-    The Feistel domain is at most 4n, so an element takes at most ~4 passes on average.
+    The Feistel domain is less than 2n, so an element takes fewer than 2 passes on average.
     """
     x, n, key = (a.copy() for a in np.broadcast_arrays(_u64(x), _u64(n), _u64(key)))
     if n.size and (n.min() < 1 or n.max() >= 1 << 52):
         raise ValueError(f"feistel_permute: domain size must be in [1, 2**52), got {n.min()}..{n.max()}")
     if np.any(x >= n):
         raise ValueError("feistel_permute: x must be < n")
-    half = np.maximum((_bit_length(n - np.uint64(1)) + np.uint64(1)) // np.uint64(2), np.uint64(1))
-    round_keys = [hash64(key, r) for r in range(FEISTEL_ROUNDS)]
+    bits = np.maximum(_bit_length(n - np.uint64(1)), np.uint64(2))
+    low = bits // np.uint64(2)
+    mask_high = (np.uint64(1) << (bits - low)) - np.uint64(1)
+    mask_low = (np.uint64(1) << low) - np.uint64(1)
+    round_keys = [_mix(key ^ np.uint64(r)) for r in range(FEISTEL_ROUNDS)]
     todo = np.arange(x.size)
     while todo.size:
-        y, h = x[todo], half[todo]
-        mask = (np.uint64(1) << h) - np.uint64(1)
-        left, right = y >> h, y & mask
+        y, b = x[todo], low[todo]
+        m_left, m_right = mask_high[todo], mask_low[todo]
+        left, right = y >> b, y & m_right
         for rk in round_keys:
-            left, right = right, left ^ (splitmix64(right ^ rk[todo]) & mask)
-        x[todo] = (left << h) | right
+            left, right = right, left ^ (_mix(right ^ rk[todo]) & m_left)
+            m_left, m_right = m_right, m_left
+        x[todo] = (left << b) | right
         todo = todo[x[todo] >= n[todo]]
     return x
 
@@ -164,7 +173,7 @@ class StreamOrder:
         return self._tables(epoch)[0]
 
     def window_shard_ids(self, epoch: int, window: int) -> np.ndarray:
-        """The shards of one window, in shard-order."""
+        """The shards of one window, in reading order."""
         s = self.window_shards
         return self.shard_order(epoch)[window * s:(window + 1) * s]
 
@@ -181,8 +190,8 @@ class StreamOrder:
                 perm = ids.astype(np.int64)
             cum = np.zeros(self.num_shards + 1, dtype=np.int64)
             np.cumsum(self.sizes[perm], out=cum[1:])
-            if len(self._memo) >= self._MEMO_EPOCHS:
-                self._memo.pop(next(iter(self._memo)))
+            if len(self._memo) >= self._MEMO_EPOCHS:  # (the prefetch thread may be evicting too)
+                self._memo.pop(next(iter(self._memo), None), None)
             got = self._memo[epoch] = (perm, cum)
         return got
 
@@ -248,12 +257,13 @@ class Mixture:
         d = np.searchsorted(self.starts, slot, side="right") - 1
         return d, b * self.counts[d] + slot - self.starts[d]
 
-    def stream_position_at(self, dataset: int, position: int) -> int:
-        """Dataset ``dataset``'s stream position at the start of the block holding global
-        ``position`` (a lower bound of what reading from ``position`` on will touch)."""
+    def stream_range(self, dataset: int, start: int, stop: int) -> tuple[int, int]:
+        """Bounds [lo, hi) of the stream positions of ``dataset`` that global positions
+        [start, stop) can read (whole blocks: which slots of a block are whose is permuted)."""
         if self.num_datasets == 1:
-            return int(position)
-        return int(position) // self.block * int(self.counts[dataset])
+            return int(start), int(stop)
+        c = int(self.counts[dataset])
+        return int(start) // self.block * c, -(-int(stop) // self.block) * c
 
 
 def caption_dropped(seed: int, position, p: float) -> np.ndarray:

@@ -3,7 +3,8 @@
 Pure functions of tensors. ``alphas_cumprod`` is :func:`latentforge.diffusion.schedule.alphas_cumprod`
 (float32, indexed by integer timestep). Randomness always comes from an explicit
 ``torch.Generator`` and never from the global RNG, so that a trainer can checkpoint one generator
-per rank and resume bit-exactly.
+per rank and resume bit-exactly. As in diffusers, the schedule coefficients are taken in the
+dtype of the latents they multiply: pass float32 latents (bf16 would round alpha-bar near 1).
 """
 
 from __future__ import annotations

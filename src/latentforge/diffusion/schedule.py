@@ -46,7 +46,10 @@ class NoiseScheduleConfig:
     )
     rescale_zero_terminal_snr: bool = field(
         default=False,
-        metadata={"help": "rescale betas so that the last step is pure noise (Lin et al. 2023, arXiv:2305.08891, Algorithm 1); needs v_prediction and trailing or linspace spacing"},
+        metadata={
+            "help": "rescale betas so that the last step is pure noise (Lin et al. 2023, arXiv:2305.08891, "
+            "Algorithm 1); needs v_prediction and trailing or linspace spacing"
+        },
     )
     timestep_spacing: Literal["leading", "trailing", "linspace"] = field(
         default="leading",

@@ -105,7 +105,8 @@ def locate_pretrained(path_or_id: str, subfolder: str,
         for where, sub in ((path, None), (path / subfolder, subfolder)):
             if any((where / m).is_file() for m in markers):
                 return str(path), sub
-        raise UserError(f"{path_or_id}: no {' or '.join(markers)} (nor in {subfolder}/): not a saved {subfolder} directory")
+        raise UserError(f"{path_or_id}: no {' or '.join(markers)} (nor in {subfolder}/): "
+                        f"not a saved {subfolder} directory")
     if path_or_id.startswith(("/", ".", "~")) or "\\" in path_or_id or not path_or_id.strip():
         raise UserError(f"{path_or_id}: no such directory")
     parts = path_or_id.split("/")
@@ -121,7 +122,8 @@ def first_line(exc: BaseException) -> str:
 def load_error(path_or_id: str, what: str, exc: BaseException) -> UserError:
     """A one-line error for a failed ``from_pretrained``."""
     if not Path(path_or_id).expanduser().exists():
-        return UserError(f"{path_or_id}: no such local directory, and loading it as a hub id failed: {first_line(exc)}")
+        return UserError(f"{path_or_id}: no such local directory, and loading it as a hub id failed: "
+                         f"{first_line(exc)}")
     return UserError(f"{path_or_id}: cannot load the {what}: {first_line(exc)}")
 
 

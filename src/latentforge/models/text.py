@@ -117,14 +117,16 @@ def _pooled(outputs: Any) -> tuple[str | None, torch.Tensor | None]:
 
 
 @torch.inference_mode()
-def _run(model: PreTrainedModel, tokenizer: Any, captions: Sequence[str], max_length: int) -> tuple[Any, torch.Tensor]:
+def _run(model: PreTrainedModel, tokenizer: Any, captions: Sequence[str],
+         max_length: int) -> tuple[Any, torch.Tensor]:
     tokens = tokenizer(list(captions), padding="max_length", truncation=True, max_length=max_length,
                        return_tensors="pt")
     mask = tokens["attention_mask"].to(model.device)
     return model(input_ids=tokens["input_ids"].to(model.device), attention_mask=mask), mask
 
 
-def encode_text(model: PreTrainedModel, tokenizer: Any, captions: Sequence[str], max_length: int) -> dict[str, torch.Tensor]:
+def encode_text(model: PreTrainedModel, tokenizer: Any, captions: Sequence[str],
+                max_length: int) -> dict[str, torch.Tensor]:
     """Conditioning for a batch of captions, as tensors on the model's device.
 
     ``text_hidden`` (B, L, D): last hidden states, padded/truncated to ``max_length`` tokens;

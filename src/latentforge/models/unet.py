@@ -35,6 +35,7 @@ This module knows nothing about training or parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -242,8 +243,17 @@ def unet_num_params(cfg: UNetConfig) -> int:
 
 def load_unet(path_or_id: str, subfolder: str | None = None) -> UNet2DConditionModel:
     """A U-Net saved by ``save_pretrained`` (a directory or a hub id); safetensors weights only."""
+    local = Path(path_or_id).expanduser()
+    if not local.exists() and (local.is_absolute() or path_or_id.startswith((".", "~"))):
+        raise UserError(f"load_unet {path_or_id}: no such directory")
     try:
-        return UNet2DConditionModel.from_pretrained(path_or_id, subfolder=subfolder, use_safetensors=True)
+        # accelerate is not a dependency; without it diffusers loads this way anyway (and warns).
+        return UNet2DConditionModel.from_pretrained(
+            str(local) if local.exists() else path_or_id,
+            subfolder=subfolder,
+            use_safetensors=True,
+            low_cpu_mem_usage=False,
+        )
     except (OSError, ValueError) as e:
         where = f"{path_or_id}/{subfolder}" if subfolder else path_or_id
         raise UserError(

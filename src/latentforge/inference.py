@@ -1,0 +1,157 @@
+"""Generate images from a training run: the components, the sampling call, grids.
+
+A checkpoint directory ``RUN/checkpoints/step-N/`` plus the run's ``train_config.yaml`` and
+``data_meta.json`` say everything needed: the U-Net architecture and weights (EMA by default),
+the noise schedule, and which VAE and text encoder made the training latents (and so must
+decode and encode here). Sampling follows diffusers' StableDiffusionPipeline step for step
+(:func:`latentforge.diffusion.sampling.sample_latents`), so an exported pipeline reproduces
+these images for the same seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from latentforge import checkpoint as ckpt
+from latentforge.diffusion.sampling import sample_latents
+from latentforge.diffusion.schedule import NoiseScheduleConfig, make_sampler
+from latentforge.errors import UserError
+from latentforge.models.autoencoder import load_vae
+from latentforge.models.text import encode_text, load_text_encoder
+from latentforge.models.unet import UNetConfig, build_unet
+
+
+@dataclass
+class Components:
+    unet: torch.nn.Module
+    vae: Any
+    text_model: Any
+    tokenizer: Any
+    noise: NoiseScheduleConfig
+    max_length: int
+    device: torch.device
+
+
+def run_dir_of(checkpoint_dir: Path) -> Path:
+    return Path(checkpoint_dir).resolve().parent.parent
+
+
+def load_run_files(run: Path) -> tuple[Any, dict[str, Any]]:
+    from latentforge.config import load_config
+    from latentforge.train.run import DATA_META, TRAIN_CONFIG, RunConfig
+
+    if not (run / TRAIN_CONFIG).exists() or not (run / DATA_META).exists():
+        raise UserError(f"{run}: not a latentforge training run (no {TRAIN_CONFIG} / {DATA_META})")
+    return load_config(RunConfig, run / TRAIN_CONFIG), json.loads((run / DATA_META).read_text())
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory (its newest complete checkpoint)."""
+    p = Path(path)
+    if (p / ckpt.MARKER).exists():
+        return p
+    latest = ckpt.find_latest(p)
+    if latest is None:
+        raise UserError(f"{path}: neither a complete checkpoint nor a run directory with one")
+    return latest
+
+
+def load_encoders(meta: dict[str, Any], device: torch.device) -> tuple[Any, Any, Any]:
+    vae = load_vae(meta["vae"]["path"], device=device)
+    text_model, tokenizer = load_text_encoder(meta["text_encoder"]["path"], device=device)
+    return vae, text_model, tokenizer
+
+
+def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | torch.device = "cpu") -> Components:
+    path = resolve_checkpoint(checkpoint)
+    run = run_dir_of(path)
+    cfg, meta = load_run_files(run)
+    device = torch.device(device)
+    c = ckpt.load_checkpoint(path)
+    group = "ema" if use_ema and "ema" in c.tensors else "model"
+    unet = build_unet(cfg.train.unet)
+    unet.load_state_dict(c.tensors[group])
+    unet.to(device).eval()
+    vae, text_model, tokenizer = load_encoders(meta, device)
+    return Components(unet, vae, text_model, tokenizer, cfg.train.noise, int(meta["text_encoder"]["max_length"]),
+                      device)
+
+
+@torch.no_grad()
+def generate(unet: torch.nn.Module, vae: Any, text_model: Any, tokenizer: Any, noise: NoiseScheduleConfig,
+             max_length: int, prompts: Sequence[str], seed: int = 0, num_steps: int = 30,
+             guidance_scale: float = 5.0, sampler: str = "ddim", latent_size: int | None = None) -> list[Image.Image]:
+    """Images for ``prompts`` (one each), the way StableDiffusionPipeline makes them for
+    ``generator=torch.Generator(device).manual_seed(seed)`` and a list of prompts."""
+    device = next(unet.parameters()).device
+    cond = encode_text(text_model, tokenizer, list(prompts), max_length)["text_hidden"]
+    uncond = encode_text(text_model, tokenizer, [""] * len(prompts), max_length)["text_hidden"]
+    size = latent_size or unet.config.sample_size
+    shape = (len(prompts), unet.config.in_channels, size, size)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    latents = sample_latents(unet, make_sampler(sampler, noise), cond, uncond, shape, num_steps, guidance_scale,
+                             generator, device=device, dtype=unet.dtype)
+    # StableDiffusionPipeline decodes latents / scaling_factor (it ignores shift_factor).
+    images = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+    return to_pil(images)
+
+
+def to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """[-1, 1] NCHW -> PIL, rounded as diffusers' image processor does."""
+    arr = (images.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray((a * 255).round().astype(np.uint8)) for a in arr]
+
+
+def make_grid(images: Sequence[Image.Image], labels: Sequence[str] | None = None, ncols: int | None = None,
+              scale: int = 1) -> Image.Image:
+    """Images in a grid, each scaled up ``scale`` times (nearest) with an optional label below."""
+    if not images:
+        raise ValueError("make_grid: no images")
+    ncols = ncols or math.ceil(math.sqrt(len(images)))
+    nrows = math.ceil(len(images) / ncols)
+    w, h = images[0].width * scale, images[0].height * scale
+    label_h = 12 if labels else 0
+    grid = Image.new("RGB", (ncols * w, nrows * (h + label_h)), (255, 255, 255))
+    draw = ImageDraw.Draw(grid)
+    for i, img in enumerate(images):
+        x, y = (i % ncols) * w, (i // ncols) * (h + label_h)
+        grid.paste(img.resize((w, h), Image.Resampling.NEAREST), (x, y))
+        if labels:
+            draw.text((x + 2, y + h), labels[i][: max(4, w // 6)], fill=(0, 0, 0))
+    return grid
+
+
+def training_sampler(cfg: Any, meta: dict[str, Any], run: Path) -> Callable[[Any, int], None]:
+    """A callback for the trainer: a grid of ``cfg.sampling.prompts`` with the EMA weights."""
+    encoders: dict[str, Any] = {}
+
+    def sample(trainer: Any, step: int) -> None:
+        if not encoders:
+            vae, text_model, tokenizer = load_encoders(meta, trainer.device)
+            encoders.update(vae=vae, text_model=text_model, tokenizer=tokenizer)
+        s = cfg.sampling
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        swap = trainer.ema.swapped_into(model) if trainer.ema is not None else contextlib.nullcontext()
+        try:
+            with swap:
+                images = generate(model, encoders["vae"], encoders["text_model"], encoders["tokenizer"], cfg.noise,
+                                  int(meta["text_encoder"]["max_length"]), s.prompts, s.seed, s.num_steps,
+                                  s.guidance_scale, s.sampler)
+        finally:
+            model.train(was_training)
+        out = run / "samples"
+        out.mkdir(parents=True, exist_ok=True)
+        make_grid(images, s.prompts, scale=max(1, 128 // images[0].width)).save(out / f"step-{step:08d}.png")
+
+    return sample

@@ -1,0 +1,161 @@
+"""``train(config)``: build the U-Net, loaders and trainer from a config and run it.
+
+This is the one entry point every launcher calls (a plain process, torchrun, Ray Train). It
+checks the config against the latent datasets (latent channels and size, text hidden size, one
+VAE and one text encoder across all phases), saves the resolved config and the data meta in the
+run directory (sampling and export read them from there), and resumes from the newest complete
+checkpoint when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from latentforge import checkpoint as ckpt
+from latentforge.config import save_config
+from latentforge.data.loader import LoaderConfig, build_loader
+from latentforge.data.schema import parse_ndarray, read_index
+from latentforge.errors import ConfigError, UserError
+from latentforge.models.unet import UNetConfig, build_unet, unet_diffusers_config
+from latentforge.train.trainer import Trainer, TrainConfig, World
+
+log = logging.getLogger(__name__)
+
+DATA_META = "data_meta.json"
+TRAIN_CONFIG = "train_config.yaml"
+
+
+@dataclass
+class RunConfig:
+    """A training run: the trainer's config plus the loader settings shared by its phases."""
+
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "model, objective, phases"})
+    data: LoaderConfig = field(default_factory=LoaderConfig, metadata={
+        "help": "loader settings (seed, workers, caption dropout, cache); datasets come from train.phases"})
+
+
+def latent_meta(cfg: TrainConfig) -> dict[str, Any]:
+    """The meta of the phases' latent datasets, checked to agree with each other and the U-Net."""
+    if not cfg.phases:
+        raise ConfigError("train.phases: empty: add at least one phase with datasets and steps")
+    first: dict[str, Any] | None = None
+    for i, phase in enumerate(cfg.phases):
+        if not phase.datasets:
+            raise ConfigError(f"train.phases[{i}].datasets: empty: list the latent datasets of this phase")
+        for j, ds in enumerate(phase.datasets):
+            index = read_index(ds.path)
+            where = f"train.phases[{i}].datasets[{j}]"
+            if index.kind != "latent":
+                raise ConfigError(f"{where}.path: {ds.path} holds {index.kind!r} shards; train on encoded (latent) "
+                                  "shards: run latentforge encode first")
+            res = index.meta.get("resolution")
+            if phase.resolution and res != phase.resolution:
+                raise ConfigError(f"train.phases[{i}].resolution: {phase.resolution} but {ds.path} was encoded at {res}")
+            meta = {
+                "vae": index.meta["vae"],
+                "text_encoder": index.meta["text_encoder"],
+                "latent_shape": list(parse_ndarray(index.columns["latent_mean"])[1]),
+                "text_shape": list(parse_ndarray(index.columns["text_hidden"])[1]),
+                "resolution": res,
+            }
+            if first is None:
+                first = meta
+                continue
+            for key in ("vae", "text_encoder"):
+                if meta[key].get("fingerprint") != first[key].get("fingerprint"):
+                    raise ConfigError(f"{where}.path: {ds.path} was encoded with another {key.replace('_', ' ')} "
+                                      "than the first dataset; all phases must share one")
+            if meta["text_shape"][-1] != first["text_shape"][-1] or meta["latent_shape"][0] != first["latent_shape"][0]:
+                raise ConfigError(f"{where}.path: latent channels or text width differ from the first dataset")
+    assert first is not None
+    return first
+
+
+def resolve_unet_config(cfg: UNetConfig, meta: dict[str, Any]) -> UNetConfig:
+    """Fill in the data-determined fields (latent channels and size, text width) and check the rest."""
+    channels, height, _ = meta["latent_shape"]
+    text_dim = meta["text_shape"][-1]
+    filled = replace(cfg,
+                     in_channels=cfg.in_channels or channels,
+                     out_channels=cfg.out_channels or channels,
+                     sample_size=cfg.sample_size or height,
+                     cross_attention_dim=cfg.cross_attention_dim or text_dim)
+    resolved = unet_diffusers_config(filled)
+    if resolved["in_channels"] != channels or resolved["out_channels"] != channels:
+        raise ConfigError(f"train.unet.in_channels: the latents have {channels} channels, the U-Net "
+                          f"{resolved['in_channels']} in / {resolved['out_channels']} out")
+    if resolved["cross_attention_dim"] != text_dim:
+        raise ConfigError(f"train.unet.cross_attention_dim: {resolved['cross_attention_dim']} but the text encoder's "
+                          f"hidden size is {text_dim}")
+    levels = len(resolved["block_out_channels"])
+    if height % (2 ** (levels - 1)):
+        raise ConfigError(f"train.unet.block_out_channels: {levels} levels need latents divisible by "
+                          f"{2 ** (levels - 1)}, got {height}")
+    return filled
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device: cuda asked for but no CUDA device is available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: bool = True,
+          world: World | None = None) -> dict[str, Any]:
+    """Run (or resume) the training of ``cfg`` in ``run_dir``; returns the trainer's summary."""
+    world = world or World()
+    run = Path(run_dir)
+    tcfg = cfg.train
+    meta = latent_meta(tcfg)
+    unet_cfg = resolve_unet_config(tcfg.unet, meta)
+    tcfg = replace(tcfg, unet=unet_cfg)
+    device = pick_device(tcfg.device)
+    resume_from = ckpt.resolve_resume(run, resume)
+    if world.is_main:
+        run.mkdir(parents=True, exist_ok=True)
+        _check_same_run(run, cfg, resume_from)
+        save_config(replace(cfg, train=tcfg), run / TRAIN_CONFIG)
+        (run / DATA_META).write_text(json.dumps(meta, indent=1))
+
+    torch.manual_seed(tcfg.seed)
+    model = build_unet(unet_cfg).to(device)
+    model.train()
+
+    def make_loader(phase: int, micro: int):
+        loader_cfg = replace(cfg.data, datasets=tcfg.phases[phase].datasets)
+        return build_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
+
+    from latentforge.inference import training_sampler
+
+    sample_fn = training_sampler(tcfg, meta, run) if tcfg.sampling.prompts and world.is_main else None
+    trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
+                      progress=progress)
+    if resume_from is not None and progress and world.is_main:
+        print(f"resuming from {resume_from}")
+    return trainer.fit(resume_from)
+
+
+def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None:
+    """Resuming with a changed model or objective would silently train something else: refuse."""
+    old = run / TRAIN_CONFIG
+    if resume_from is None or not old.exists():
+        return
+    from latentforge.config import load_config, to_dict
+
+    before = to_dict(load_config(RunConfig, old).train)
+    now = to_dict(cfg.train)
+    for key in ("unet", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma"):
+        b, n = before.get(key), now.get(key)
+        if key == "unet":  # data-filled fields were None in the user's config
+            n = {k: (v if v is not None else b.get(k)) for k, v in n.items()}
+        if b != n:
+            raise UserError(f"{run}: resuming with a different train.{key} than the run was started with "
+                            f"({TRAIN_CONFIG}); use a new run directory or restore the setting")

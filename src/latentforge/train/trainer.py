@@ -1,0 +1,481 @@
+"""The training loop of the latent diffusion U-Net: one readable loop over phases and steps.
+
+The :class:`Trainer` is handed an already-built model and a loader factory; it knows nothing of
+how processes were launched (one process, torchrun or Ray) beyond a :class:`World` with rank and
+world size and an optional gradient all-reduce wrapper (the parallel wrapper's job, not the
+model's). Everything that changes during training is checkpointed: model, EMA, optimizer, LR
+schedule, data cursor, RNG states, step, phase index and the count of skipped steps.
+
+Diffusion noise and timesteps are drawn per sample from a generator seeded by
+(seed, global sample position) (:func:`sample_noise`), so they do not depend on the number of
+ranks and need no state of their own: a resumed run, or a run on another number of ranks, draws
+exactly the same noise for the same sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from latentforge import checkpoint as ckpt
+from latentforge.data.loader import StreamConfig, TrainLoader
+from latentforge.diffusion.objectives import add_noise, diffusion_loss, min_snr_weight, training_target
+from latentforge.diffusion.schedule import NoiseScheduleConfig, alphas_cumprod, snr
+from latentforge.errors import ConfigError, UserError
+from latentforge.models.unet import UNetConfig
+from latentforge.train.ema import EMA, EMAConfig
+from latentforge.train.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm
+from latentforge.train.rng import rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PhaseConfig:
+    """One phase of a multi-phase run (e.g. 256 px, then 512 px)."""
+
+    name: str = field(default="", metadata={"help": "a label for logs"})
+    datasets: list[StreamConfig] = field(default_factory=list, metadata={
+        "help": "latent datasets of this phase, with mixing weights"})
+    resolution: int = field(default=0, metadata={"help": "image side the datasets must have been encoded at; 0 = any"})
+    steps: int = field(default=0, metadata={"help": "optimizer steps in this phase (or set samples)"})
+    samples: int = field(default=0, metadata={"help": "training samples in this phase; steps = ceil(samples / global batch)"})
+    micro_batch_size: int = field(default=0, metadata={"help": "samples per rank per forward pass; 0 = train.micro_batch_size"})
+    global_batch_size: int = field(default=0, metadata={"help": "samples per optimizer step; 0 = train.global_batch_size"})
+    lr: float = field(default=0.0, metadata={"help": "peak learning rate of this phase; 0 = optim.lr"})
+
+    def validate(self) -> None:
+        if (self.steps > 0) == (self.samples > 0):
+            raise ConfigError("steps: set exactly one of steps and samples (> 0)")
+        if self.steps < 0 or self.samples < 0 or self.micro_batch_size < 0 or self.global_batch_size < 0:
+            raise ConfigError("steps: steps, samples and batch sizes must be >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = field(default=500, metadata={"help": "steps between checkpoints (and one at the end)"})
+    keep_last: int = field(default=3, metadata={"help": "complete checkpoints kept (older ones are deleted)"})
+    keep_every: int = field(default=0, metadata={"help": "also keep every checkpoint whose step is a multiple of this"})
+
+    def validate(self) -> None:
+        if self.every_steps < 1 or self.keep_last < 1 or self.keep_every < 0:
+            raise ConfigError("every_steps: every_steps and keep_last must be >= 1, keep_every >= 0")
+
+
+@dataclass
+class SampleConfig:
+    """Periodic sample grids with fixed prompts and seeds."""
+
+    every_steps: int = field(default=0, metadata={"help": "steps between sample grids; 0 = only at the end"})
+    prompts: list[str] = field(default_factory=list, metadata={"help": "prompts of the grid (empty = no grids)"})
+    seed: int = field(default=0, metadata={"help": "seed of the grid's initial noise"})
+    num_steps: int = field(default=20, metadata={"help": "sampler steps"})
+    sampler: Literal["ddim", "dpm++", "euler", "ddpm"] = field(default="ddim", metadata={"help": "sampler"})
+    guidance_scale: float = field(default=4.0, metadata={"help": "classifier-free guidance scale (1 = off)"})
+
+
+@dataclass
+class TrainConfig:
+    """``latentforge train``: the U-Net, the objective, the optimizer and the phases."""
+
+    seed: int = field(default=0, metadata={"help": "seed of the initialisation and of the diffusion noise"})
+    unet: UNetConfig = field(default_factory=UNetConfig, metadata={"help": "the U-Net"})
+    noise: NoiseScheduleConfig = field(default_factory=NoiseScheduleConfig, metadata={"help": "the noise schedule"})
+    min_snr_gamma: float = field(default=0.0, metadata={"help": "min-SNR-gamma loss weighting; 0 = off (5 is usual)"})
+    offset_noise: float = field(default=0.0, metadata={"help": "offset-noise strength; 0 = off (0.05-0.1 is usual)"})
+    sample_posterior: bool = field(default=True, metadata={
+        "help": "latents = mean + std * N(0, 1) of the VAE posterior (SD); false = the mean"})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "AdamW and the LR schedule"})
+    ema: EMAConfig | None = field(default_factory=EMAConfig, metadata={"help": "EMA of the U-Net; null = off"})
+    phases: list[PhaseConfig] = field(default_factory=list, metadata={"help": "the phases, run in order"})
+    micro_batch_size: int = field(default=8, metadata={"help": "samples per rank per forward pass"})
+    global_batch_size: int = field(default=0, metadata={
+        "help": "samples per optimizer step = micro batch x accumulation x world size; 0 = micro x world"})
+    precision: Literal["auto", "fp32", "bf16"] = field(default="auto", metadata={
+        "help": "auto = bf16 autocast on CUDA, fp32 on CPU"})
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "auto = cuda if available"})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "checkpointing"})
+    sampling: SampleConfig = field(default_factory=SampleConfig, metadata={"help": "periodic sample grids"})
+    log_every: int = field(default=20, metadata={"help": "steps between log lines (each costs a host sync)"})
+    nonfinite: Literal["stop", "skip"] = field(default="stop", metadata={
+        "help": "on a NaN/inf loss: stop (the last checkpoint stays intact) or skip the step and count it"})
+    max_skipped_steps: int = field(default=10, metadata={"help": "with nonfinite=skip: stop after this many"})
+    max_seconds: float = field(default=0.0, metadata={
+        "help": "stop (with a checkpoint) after this much training time; 0 = off. A rerun continues."})
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"],
+                                                                      metadata={"help": "metric loggers"})
+
+    def validate(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ConfigError("micro_batch_size: must be >= 1")
+        if self.global_batch_size < 0:
+            raise ConfigError("global_batch_size: must be >= 0 (0 = micro batch x world size)")
+        if self.log_every < 1:
+            raise ConfigError("log_every: must be >= 1")
+        if self.min_snr_gamma < 0 or self.offset_noise < 0:
+            raise ConfigError("min_snr_gamma: min_snr_gamma and offset_noise must be >= 0")
+        for i, p in enumerate(self.phases):
+            try:
+                p.validate()
+            except ConfigError as e:
+                raise ConfigError(f"phases[{i}].{e}") from None
+
+
+def batch_plan(micro: int, global_: int, world_size: int, where: str = "train") -> int:
+    """Gradient-accumulation steps so that global = micro x accumulation x world size."""
+    if global_ == 0:
+        return 1
+    per_step = micro * world_size
+    if global_ % per_step:
+        raise ConfigError(
+            f"{where}.global_batch_size: {global_} is not divisible by world_size*micro_batch_size = "
+            f"{world_size}*{micro} = {per_step}: set {where}.micro_batch_size or global_batch_size")
+    return global_ // per_step
+
+
+@dataclass
+class World:
+    """Where this process stands: rank, world size, and how to average gradients across ranks."""
+
+    rank: int = 0
+    world_size: int = 1
+    all_reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None  # for logged scalars
+    barrier: Callable[[], None] | None = None
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None  # skip grad sync on accumulation
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser (Steele et al. 2014): a fixed, well-mixed 64-bit hash."""
+    x = (x + np.uint64(0x9E3779B97F4A7C15)) & np.uint64(0xFFFFFFFFFFFFFFFF)
+    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & np.uint64(0xFFFFFFFFFFFFFFFF)
+    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & np.uint64(0xFFFFFFFFFFFFFFFF)
+    return x ^ (x >> np.uint64(31))
+
+
+def sample_noise(seed: int, positions: list[int], latent_shape: tuple[int, ...], num_timesteps: int,
+                 offset_noise: float, posterior: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(timesteps, noise, posterior noise) for the samples at global ``positions``, each drawn from
+    its own CPU generator seeded by hash(seed, position): independent of rank count and resume."""
+    with np.errstate(over="ignore"):
+        keys = _splitmix64(np.asarray(positions, dtype=np.uint64) ^ _splitmix64(np.asarray([seed], dtype=np.uint64)))
+    ts, noises, posts = [], [], []
+    for key in keys.tolist():
+        g = torch.Generator().manual_seed(int(key) & 0x7FFF_FFFF_FFFF_FFFF)
+        ts.append(torch.randint(0, num_timesteps, (1,), generator=g))
+        n = torch.randn(latent_shape, generator=g)
+        if offset_noise:
+            # Guttenberg 2023, "Diffusion with Offset Noise": a per-channel constant shift.
+            n = n + offset_noise * torch.randn((latent_shape[0], 1, 1), generator=g)
+        noises.append(n)
+        posts.append(torch.randn(latent_shape, generator=g) if posterior else torch.zeros(()))
+    post = torch.stack(posts) if posterior else None
+    return torch.cat(ts), torch.stack(noises), post
+
+
+class Trainer:
+    """Runs the phases of ``cfg`` on ``model``; see the module docstring."""
+
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module, make_loader: Callable[[int, int], TrainLoader],
+                 run_dir: str | Path, latent_meta: dict[str, Any], world: World | None = None,
+                 device: torch.device | None = None, train_model: torch.nn.Module | None = None,
+                 sample_fn: Callable[["Trainer", int], None] | None = None, progress: bool = True):
+        """``model``: the plain U-Net (its state dict is what is saved); ``train_model``: what the
+        forward pass calls (the same module, or a compiled / DDP / FSDP wrapper of it);
+        ``make_loader(phase_index, micro_batch_size)``: the rank's loader of a phase;
+        ``latent_meta``: the latent dataset's meta (scale factor, text encoder)."""
+        self.cfg = cfg
+        self.model = model
+        self.train_model = train_model or model
+        self.make_loader = make_loader
+        self.run_dir = Path(run_dir)
+        self.world = world or World()
+        self.device = device or next(model.parameters()).device
+        self.sample_fn = sample_fn
+        self.progress = progress and self.world.is_main
+        vae = latent_meta["vae"]
+        self.scaling_factor = float(vae["scaling_factor"])
+        self.shift_factor = float(vae.get("shift_factor") or 0.0)
+        self.alphas_cumprod = alphas_cumprod(cfg.noise).to(self.device)
+        self.optimizer = build_optimizer(model.parameters(), cfg.optim, self.device.type)
+        self.phase_steps = [self._phase_num_steps(i) for i in range(len(cfg.phases))]
+        self.total_steps = sum(self.phase_steps)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        self.ema = EMA(model, cfg.ema) if cfg.ema is not None else None
+        self.step = 0
+        self.phase = 0
+        self.skipped_steps = 0
+        self.loader: TrainLoader | None = None
+        self.autocast_dtype = self._autocast_dtype()
+        self._loggers: list[Any] = []
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _phase_batches(self, i: int) -> tuple[int, int, int]:
+        """(micro batch, accumulation steps, global batch) of phase i."""
+        p = self.cfg.phases[i]
+        micro = p.micro_batch_size or self.cfg.micro_batch_size
+        global_ = p.global_batch_size or self.cfg.global_batch_size or micro * self.world.world_size
+        accum = batch_plan(micro, global_, self.world.world_size, f"train.phases[{i}]")
+        return micro, accum, global_
+
+    def _phase_num_steps(self, i: int) -> int:
+        p = self.cfg.phases[i]
+        return p.steps or math.ceil(p.samples / self._phase_batches(i)[2])
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        if self.cfg.precision == "bf16" or (self.cfg.precision == "auto" and self.device.type == "cuda"):
+            return torch.bfloat16
+        return None
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]]:
+        tensors = {"model": ckpt.clean_state_dict_keys(self.model.state_dict())}
+        state: dict[str, Any] = {
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "rng": rng_state(),
+        }
+        if self.ema is not None:
+            ema_sd = self.ema.state_dict()
+            tensors["ema"] = ema_sd["params"]
+            state["ema_num_updates"] = ema_sd["num_updates"]
+        meta = {
+            "step": self.step,
+            "phase": self.phase,
+            "skipped_steps": self.skipped_steps,
+            "loader": self.loader.state_dict() if self.loader is not None else None,
+            "world_size": self.world.world_size,
+        }
+        return tensors, state, meta
+
+    def save(self) -> Path | None:
+        tensors, state, meta = self.state()
+        path = ckpt.save_checkpoint(self.run_dir, self.step, tensors, state, meta,
+                                    keep_last=self.cfg.checkpoint.keep_last,
+                                    keep_every=self.cfg.checkpoint.keep_every, is_writer=self.world.is_main)
+        if self.world.barrier is not None:
+            self.world.barrier()
+        return path
+
+    def load(self, path: Path) -> dict[str, Any]:
+        c = ckpt.load_checkpoint(path, map_location="cpu")
+        self.model.load_state_dict(c.tensors["model"])
+        self.optimizer.load_state_dict(c.state["optimizer"])
+        self.lr_scheduler.load_state_dict(c.state["lr_scheduler"])
+        set_rng_state(c.state["rng"])
+        if self.ema is not None:
+            if "ema" not in c.tensors:
+                raise UserError(f"{path}: has no EMA weights but train.ema is set")
+            self.ema.load_state_dict({"params": c.tensors["ema"], "num_updates": c.state["ema_num_updates"]})
+        self.step = int(c.meta["step"])
+        self.phase = int(c.meta["phase"])
+        self.skipped_steps = int(c.meta.get("skipped_steps", 0))
+        return c.meta
+
+    # ------------------------------------------------------------------ the step
+
+    def latents_from_batch(self, batch: dict[str, Any], post_noise: torch.Tensor | None) -> torch.Tensor:
+        mean = batch["latent_mean"].to(self.device, torch.float32, non_blocking=True)
+        if post_noise is not None:
+            std = batch["latent_std"].to(self.device, torch.float32, non_blocking=True)
+            mean = mean + std * post_noise.to(self.device, non_blocking=True)
+        return (mean - self.shift_factor) * self.scaling_factor
+
+    def loss_on(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The diffusion loss of one micro batch (mean over its samples)."""
+        cfg = self.cfg
+        shape = tuple(batch["latent_mean"].shape[1:])
+        t, noise, post = sample_noise(cfg.seed, batch["_position"], shape, cfg.noise.num_train_timesteps,
+                                      cfg.offset_noise, cfg.sample_posterior and "latent_std" in batch)
+        x0 = self.latents_from_batch(batch, post)
+        t, noise = t.to(self.device), noise.to(self.device)
+        x_t = add_noise(x0, noise, t, self.alphas_cumprod)
+        target = training_target(x0, noise, t, self.alphas_cumprod, cfg.noise.prediction_type)
+        hidden = batch["text_hidden"].to(self.device, non_blocking=True)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            pred = self.train_model(x_t, t, encoder_hidden_states=hidden.to(self.autocast_dtype or torch.float32),
+                                    return_dict=False)[0]
+        weights = None
+        if cfg.min_snr_gamma:
+            weights = min_snr_weight(snr(self.alphas_cumprod, t), cfg.min_snr_gamma, cfg.noise.prediction_type)
+        return diffusion_loss(pred, target, weights)
+
+    def train_step(self, batches: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """One optimizer step over ``batches`` (the accumulation micro batches)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            sync = contextlib.nullcontext() if last or self.world.no_sync is None else self.world.no_sync()
+            with sync:
+                loss = self.loss_on(batch) / len(batches)
+                loss.backward()
+            total += loss.detach()
+        finite = bool(torch.isfinite(total))  # host sync: needed to decide whether to step
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
+        if finite:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        return total, grad_norm, finite
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self, resume_from: Path | None = None) -> dict[str, Any]:
+        meta = self.load(resume_from) if resume_from else None
+        if self.world.is_main:
+            self._open_loggers()
+        t_start = time.perf_counter()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                   disable=not self.progress, dynamic_ncols=True)
+        history_path = self.run_dir / "metrics.jsonl"
+        if self.world.is_main:
+            _truncate_history(history_path, self.step)
+        stopped_early = False
+        try:
+            while self.phase < len(self.cfg.phases):
+                phase_start = sum(self.phase_steps[: self.phase])
+                phase_end = phase_start + self.phase_steps[self.phase]
+                micro, accum, global_batch = self._phase_batches(self.phase)
+                self._set_phase_lr()
+                self.loader = self.make_loader(self.phase, micro)
+                if meta is not None and meta.get("loader") and meta["phase"] == self.phase:
+                    self.loader.load_state_dict(meta["loader"])
+                meta = None
+                batches: Iterator[dict[str, Any]] = iter(self.loader)
+                t_log, samples_since_log = time.perf_counter(), 0
+                while self.step < phase_end:
+                    loss, grad_norm, finite = self.train_step([next(batches) for _ in range(accum)])
+                    self.step += 1
+                    samples_since_log += global_batch
+                    if not finite:
+                        self._on_nonfinite(loss)
+                    if self.ema is not None and finite:
+                        self.ema.update(self.model, self.step)
+                    bar.update(1)
+                    if self.step % self.cfg.log_every == 0 or self.step == phase_end:
+                        now = time.perf_counter()
+                        rate = samples_since_log / (now - t_log)
+                        record = {"step": self.step, "phase": self.phase, "loss": self._mean(loss),
+                                  "grad_norm": float(grad_norm), "lr": self.lr_scheduler.get_last_lr()[0],
+                                  "img_per_s": rate, "samples_seen": self.loader.cursor,
+                                  "skipped_steps": self.skipped_steps}
+                        self._log(record, history_path)
+                        bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{rate:.0f}")
+                        t_log, samples_since_log = now, 0
+                    end_of_phase = self.step == phase_end
+                    out_of_time = bool(self.cfg.max_seconds) and time.perf_counter() - t_start >= self.cfg.max_seconds
+                    if end_of_phase:
+                        self.phase += 1
+                        self.loader.close()
+                        self.loader = None
+                    if self.step % self.cfg.checkpoint.every_steps == 0 or end_of_phase or out_of_time:
+                        self.save()
+                    if (self.sample_fn and self.cfg.sampling.every_steps
+                            and self.step % self.cfg.sampling.every_steps == 0):
+                        self.sample_fn(self, self.step)
+                    if out_of_time:
+                        stopped_early = True
+                        break
+                if stopped_early:
+                    break
+        finally:
+            bar.close()
+            if self.loader is not None:
+                self.loader.close()
+            self._close_loggers()
+        if not stopped_early and self.sample_fn is not None:
+            self.sample_fn(self, self.step)
+        return {"step": self.step, "finished": not stopped_early, "seconds": time.perf_counter() - t_start,
+                "skipped_steps": self.skipped_steps}
+
+    def _set_phase_lr(self) -> None:
+        lr = self.cfg.phases[self.phase].lr or self.cfg.optim.lr
+        self.lr_scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        mult = self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * mult
+
+    def _mean(self, loss: torch.Tensor) -> float:
+        if self.world.all_reduce_mean is not None:
+            loss = self.world.all_reduce_mean(loss.detach().clone())
+        return float(loss)
+
+    def _on_nonfinite(self, loss: torch.Tensor) -> None:
+        self.skipped_steps += 1
+        if self.cfg.nonfinite == "stop" or self.skipped_steps > self.cfg.max_skipped_steps:
+            latest = ckpt.find_latest(self.run_dir)
+            where = f"the last good checkpoint is {latest}" if latest else "no checkpoint was written yet"
+            raise TrainingDiverged(
+                f"loss is {float(loss)} at step {self.step} ({self.skipped_steps} non-finite steps); {where}. "
+                "Lower optim.lr, check the data, or set train.nonfinite=skip")
+        log.warning("non-finite loss at step %d: step skipped (%d so far)", self.step, self.skipped_steps)
+
+    # ------------------------------------------------------------------ logging
+
+    def _open_loggers(self) -> None:
+        for name in self.cfg.loggers:
+            if name == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._loggers.append(SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.step + 1))
+            elif name == "wandb":
+                import wandb  # optional: only when asked for
+
+                self._loggers.append(wandb.init(project="latentforge", dir=str(self.run_dir), resume="allow"))
+            elif name == "mlflow":
+                import mlflow  # optional: only when asked for
+
+                self._loggers.append(mlflow)
+
+    def _log(self, record: dict[str, Any], history_path: Path) -> None:
+        if not self.world.is_main:
+            return
+        with open(history_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        step = record["step"]
+        scalars = {k: v for k, v in record.items() if k not in ("step",)}
+        for lg in self._loggers:
+            if hasattr(lg, "add_scalar"):
+                for k, v in scalars.items():
+                    lg.add_scalar(f"train/{k}", v, step)
+            elif hasattr(lg, "log_metrics"):
+                lg.log_metrics({f"train/{k}": v for k, v in scalars.items()}, step=step)
+            else:
+                lg.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+
+    def _close_loggers(self) -> None:
+        for lg in self._loggers:
+            if hasattr(lg, "close"):
+                lg.close()
+            elif hasattr(lg, "finish"):
+                lg.finish()
+        self._loggers = []
+
+
+class TrainingDiverged(UserError):
+    """The loss became NaN/inf; the message says which checkpoint is the last good one."""
+
+
+def _truncate_history(path: Path, step: int) -> None:
+    """Drop log lines past ``step`` (written after the checkpoint a resumed run starts from)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
