@@ -39,6 +39,7 @@ class Components:
     noise: NoiseScheduleConfig
     max_length: int
     device: torch.device
+    weights: str  # which tensor group the U-Net holds: "ema" or "model"
 
 
 def run_dir_of(checkpoint_dir: Path) -> Path:
@@ -55,19 +56,27 @@ def load_run_files(run: Path) -> tuple[Any, dict[str, Any]]:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory (its newest complete checkpoint)."""
+    """A checkpoint directory, or a run directory (its newest complete checkpoint).
+
+    A checkpoint directory is returned even when incomplete: loading it then says what is wrong.
+    """
     p = Path(path)
-    if (p / ckpt.MARKER).exists():
+    if not p.is_dir():
+        raise UserError(f"{path}: no such directory; give a checkpoint directory or a run directory")
+    if (p / ckpt.MARKER).exists() or (p / ckpt.META).exists():
         return p
     latest = ckpt.find_latest(p)
     if latest is None:
-        raise UserError(f"{path}: neither a complete checkpoint nor a run directory with one")
+        raise UserError(f"{path}: neither a checkpoint directory nor a run directory with a complete checkpoint")
     return latest
 
 
 def load_encoders(meta: dict[str, Any], device: torch.device) -> tuple[Any, Any, Any]:
+    """The VAE, text encoder and tokenizer that encoded the training data (paths from its meta)."""
+    text = meta["text_encoder"]
     vae = load_vae(meta["vae"]["path"], device=device)
-    text_model, tokenizer = load_text_encoder(meta["text_encoder"]["path"], device=device)
+    # The encode step may have taken the tokenizer from elsewhere (e.g. a T5 without one).
+    text_model, tokenizer = load_text_encoder(text["path"], device=device, tokenizer=text.get("tokenizer_path"))
     return vae, text_model, tokenizer
 
 
@@ -77,13 +86,13 @@ def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | 
     cfg, meta = load_run_files(run)
     device = torch.device(device)
     c = ckpt.load_checkpoint(path)
-    group = "ema" if use_ema and "ema" in c.tensors else "model"
+    group = "ema" if use_ema and "ema" in c.tensors else "model"  # a run without EMA has only the raw weights
     unet = build_unet(cfg.train.unet)
     unet.load_state_dict(c.tensors[group])
     unet.to(device).eval()
     vae, text_model, tokenizer = load_encoders(meta, device)
     return Components(unet, vae, text_model, tokenizer, cfg.train.noise, int(meta["text_encoder"]["max_length"]),
-                      device)
+                      device, group)
 
 
 @torch.no_grad()
@@ -92,17 +101,37 @@ def generate(unet: torch.nn.Module, vae: Any, text_model: Any, tokenizer: Any, n
              guidance_scale: float = 5.0, sampler: str = "ddim", latent_size: int | None = None) -> list[Image.Image]:
     """Images for ``prompts`` (one each), the way StableDiffusionPipeline makes them for
     ``generator=torch.Generator(device).manual_seed(seed)`` and a list of prompts."""
+    latents = generate_latents(unet, text_model, tokenizer, noise, max_length, prompts, seed, num_steps,
+                               guidance_scale, sampler, latent_size)
+    return to_pil(decode_latents(vae, latents))
+
+
+@torch.no_grad()
+def generate_latents(unet: torch.nn.Module, text_model: Any, tokenizer: Any, noise: NoiseScheduleConfig,
+                     max_length: int, prompts: Sequence[str], seed: int = 0, num_steps: int = 30,
+                     guidance_scale: float = 5.0, sampler: str = "ddim",
+                     latent_size: int | None = None) -> torch.Tensor:
+    """The model-space latents of :func:`generate` (StableDiffusionPipeline's ``output_type="latent"``)."""
+    if not prompts:
+        raise UserError("generate: no prompts")
+    if num_steps < 1:
+        raise UserError(f"generate: num_steps must be at least 1, got {num_steps}")
     device = next(unet.parameters()).device
     cond = encode_text(text_model, tokenizer, list(prompts), max_length)["text_hidden"]
     uncond = encode_text(text_model, tokenizer, [""] * len(prompts), max_length)["text_hidden"]
     size = latent_size or unet.config.sample_size
     shape = (len(prompts), unet.config.in_channels, size, size)
     generator = torch.Generator(device=device).manual_seed(seed)
-    latents = sample_latents(unet, make_sampler(sampler, noise), cond, uncond, shape, num_steps, guidance_scale,
-                             generator, device=device, dtype=unet.dtype)
-    # StableDiffusionPipeline decodes latents / scaling_factor (it ignores shift_factor).
-    images = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
-    return to_pil(images)
+    return sample_latents(unet, make_sampler(sampler, noise), cond, uncond, shape, num_steps, guidance_scale,
+                          generator, device=device, dtype=unet.dtype)
+
+
+def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Model-space latents -> images in [-1, 1]: undoes the training scaling
+    ``(z - shift_factor) * scaling_factor`` (:func:`latentforge.models.autoencoder.vae_meta`).
+    Without a shift this is StableDiffusionPipeline's ``vae.decode(latents / scaling_factor)``."""
+    z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+    return vae.decode(z, return_dict=False)[0]
 
 
 def to_pil(images: torch.Tensor) -> list[Image.Image]:

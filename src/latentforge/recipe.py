@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from latentforge.config import load_config
+from latentforge.demo import DemoConfig
 from latentforge.data.encode import EncodeConfig
 from latentforge.data.ingest import IngestConfig
 from latentforge.data.loader import LoaderConfig
@@ -28,6 +29,7 @@ class Recipe:
     loader: LoaderConfig = field(default_factory=LoaderConfig, metadata={"help": "the training data loader"})
     vae: VAETrainConfig = field(default_factory=VAETrainConfig, metadata={"help": "train-vae: an autoencoder from scratch"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "train: the latent diffusion U-Net"})
+    demo: DemoConfig = field(default_factory=DemoConfig, metadata={"help": "the demo's evaluation"})
 
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"

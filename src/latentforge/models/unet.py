@@ -11,8 +11,10 @@ small      38,800,580    sd2-base's layout at one fifth of the width (64-d heads
                          CPU benchmarks and quick GPU trials at 32x32 latents (256 px / 8x VAE).
 tiny       343,476       two blocks, 16 and 32 channels, attention only at the inner level,
                          384-d text (all-MiniLM-L6-v2): tests and the CPU demo at 4x4 to 16x16
-                         latents. One AdamW training step at batch 64 of 8x8x4 latents with 77
-                         text tokens takes about 70 ms on 2 vCPUs (16 tokens: about 50 ms).
+                         latents. One fp32 AdamW training step at batch 64 of 8x8x4 latents with
+                         77 text tokens took 70-90 ms on 2 vCPUs (16 tokens: 50-65 ms). Its
+                         first conv maps the latents to 16 channels: widen block_out_channels
+                         for latents with many channels (e.g. 48).
 custom     -             no preset: the architecture fields named in ``CUSTOM_REQUIRED`` must be
                          set; the others take sd2-base's values.
 =========  ============  ========================================================================

@@ -23,7 +23,7 @@ from latentforge.data.loader import LoaderConfig, build_loader
 from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.unet import UNetConfig, build_unet, unet_diffusers_config
-from latentforge.train.trainer import Trainer, TrainConfig, World
+from latentforge.train.trainer import Trainer, TrainConfig, World, phase_batches
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     run = Path(run_dir)
     tcfg = cfg.train
     meta = latent_meta(tcfg)
+    phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
     unet_cfg = resolve_unet_config(tcfg.unet, meta)
     tcfg = replace(tcfg, unet=unet_cfg)
     device = pick_device(tcfg.device)

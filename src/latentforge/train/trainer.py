@@ -55,10 +55,10 @@ class PhaseConfig:
     lr: float = field(default=0.0, metadata={"help": "peak learning rate of this phase; 0 = optim.lr"})
 
     def validate(self) -> None:
-        if (self.steps > 0) == (self.samples > 0):
-            raise ConfigError("steps: set exactly one of steps and samples (> 0)")
         if self.steps < 0 or self.samples < 0 or self.micro_batch_size < 0 or self.global_batch_size < 0:
             raise ConfigError("steps: steps, samples and batch sizes must be >= 0")
+        if (self.steps > 0) == (self.samples > 0):
+            raise ConfigError("steps: set exactly one of steps and samples (> 0)")
 
 
 @dataclass
@@ -109,7 +109,8 @@ class TrainConfig:
     log_every: int = field(default=20, metadata={"help": "steps between log lines (each costs a host sync)"})
     nonfinite: Literal["stop", "skip"] = field(default="stop", metadata={
         "help": "on a NaN/inf loss: stop (the last checkpoint stays intact) or skip the step and count it"})
-    max_skipped_steps: int = field(default=10, metadata={"help": "with nonfinite=skip: stop after this many"})
+    max_skipped_steps: int = field(default=10, metadata={
+        "help": "with nonfinite=skip: the most steps skipped in a run; one more stops it"})
     max_seconds: float = field(default=0.0, metadata={
         "help": "stop (with a checkpoint) after this much training time; 0 = off. A rerun continues."})
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"],
@@ -131,16 +132,36 @@ class TrainConfig:
                 raise ConfigError(f"phases[{i}].{e}") from None
 
 
-def batch_plan(micro: int, global_: int, world_size: int, where: str = "train") -> int:
-    """Gradient-accumulation steps so that global = micro x accumulation x world size."""
+def batch_plan(micro: int, global_: int, world_size: int, field_name: str = "train.global_batch_size") -> int:
+    """Gradient-accumulation steps so that global = micro x accumulation x world size;
+    ``field_name`` is the config field the global batch size came from."""
     if global_ == 0:
         return 1
     per_step = micro * world_size
     if global_ % per_step:
         raise ConfigError(
-            f"{where}.global_batch_size: {global_} is not divisible by world_size*micro_batch_size = "
-            f"{world_size}*{micro} = {per_step}: set {where}.micro_batch_size or global_batch_size")
+            f"{field_name}: {global_} is not divisible by world_size*micro_batch_size = "
+            f"{world_size}*{micro} = {per_step}: change it or the micro batch size")
     return global_ // per_step
+
+
+def phase_batches(cfg: TrainConfig, world_size: int) -> list[tuple[int, int, int]]:
+    """(micro batch, accumulation steps, global batch) of every phase, all checked up front so that
+    a bad batch size of a later phase fails before any training."""
+    out = []
+    for i, p in enumerate(cfg.phases):
+        micro = p.micro_batch_size or cfg.micro_batch_size
+        if p.global_batch_size:
+            global_, field_name = p.global_batch_size, f"train.phases[{i}].global_batch_size"
+        else:
+            global_, field_name = cfg.global_batch_size or micro * world_size, "train.global_batch_size"
+        out.append((micro, batch_plan(micro, global_, world_size, field_name), global_))
+    return out
+
+
+def phase_num_steps(cfg: TrainConfig, batches: list[tuple[int, int, int]]) -> list[int]:
+    """Optimizer steps of every phase: ``steps``, or ``ceil(samples / global batch)``."""
+    return [p.steps or math.ceil(p.samples / global_) for p, (_, _, global_) in zip(cfg.phases, batches)]
 
 
 @dataclass
@@ -211,7 +232,8 @@ class Trainer:
         self.shift_factor = float(vae.get("shift_factor") or 0.0)
         self.alphas_cumprod = alphas_cumprod(cfg.noise).to(self.device)
         self.optimizer = build_optimizer(model.parameters(), cfg.optim, self.device.type)
-        self.phase_steps = [self._phase_num_steps(i) for i in range(len(cfg.phases))]
+        self.phase_batches = phase_batches(cfg, self.world.world_size)
+        self.phase_steps = phase_num_steps(cfg, self.phase_batches)
         self.total_steps = sum(self.phase_steps)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.ema = EMA(model, cfg.ema) if cfg.ema is not None else None
@@ -223,18 +245,6 @@ class Trainer:
         self._loggers: list[Any] = []
 
     # ------------------------------------------------------------------ set-up helpers
-
-    def _phase_batches(self, i: int) -> tuple[int, int, int]:
-        """(micro batch, accumulation steps, global batch) of phase i."""
-        p = self.cfg.phases[i]
-        micro = p.micro_batch_size or self.cfg.micro_batch_size
-        global_ = p.global_batch_size or self.cfg.global_batch_size or micro * self.world.world_size
-        accum = batch_plan(micro, global_, self.world.world_size, f"train.phases[{i}]")
-        return micro, accum, global_
-
-    def _phase_num_steps(self, i: int) -> int:
-        p = self.cfg.phases[i]
-        return p.steps or math.ceil(p.samples / self._phase_batches(i)[2])
 
     def _autocast_dtype(self) -> torch.dtype | None:
         if self.cfg.precision == "bf16" or (self.cfg.precision == "auto" and self.device.type == "cuda"):
@@ -254,8 +264,7 @@ class Trainer:
             ema_sd = self.ema.state_dict()
             tensors["ema"] = ema_sd["params"]
             state["ema_num_updates"] = ema_sd["num_updates"]
-        meta = {
-            "step": self.step,
+        meta = {  # save_checkpoint adds the step
             "phase": self.phase,
             "skipped_steps": self.skipped_steps,
             "loader": self.loader.state_dict() if self.loader is not None else None,
@@ -326,8 +335,11 @@ class Trainer:
                 loss = self.loss_on(batch) / len(batches)
                 loss.backward()
             total += loss.detach()
-        finite = bool(torch.isfinite(total))  # host sync: needed to decide whether to step
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
+        # A finite loss can still give inf/NaN gradients (an overflow in the backward pass), and
+        # gradients are averaged across ranks, so checking their norm too makes every rank take
+        # the same decision. Host sync: needed to decide whether to step.
+        finite = bool(torch.isfinite(total) & torch.isfinite(grad_norm))
         if finite:
             self.optimizer.step()
         else:
@@ -352,7 +364,7 @@ class Trainer:
             while self.phase < len(self.cfg.phases):
                 phase_start = sum(self.phase_steps[: self.phase])
                 phase_end = phase_start + self.phase_steps[self.phase]
-                micro, accum, global_batch = self._phase_batches(self.phase)
+                micro, accum, global_batch = self.phase_batches[self.phase]
                 self._set_phase_lr()
                 self.loader = self.make_loader(self.phase, micro)
                 if meta is not None and meta.get("loader") and meta["phase"] == self.phase:
@@ -361,26 +373,28 @@ class Trainer:
                 batches: Iterator[dict[str, Any]] = iter(self.loader)
                 t_log, samples_since_log = time.perf_counter(), 0
                 while self.step < phase_end:
+                    lr = self.optimizer.param_groups[0]["lr"]  # of this step (the scheduler moves it on)
                     loss, grad_norm, finite = self.train_step([next(batches) for _ in range(accum)])
                     self.step += 1
                     samples_since_log += global_batch
                     if not finite:
-                        self._on_nonfinite(loss)
+                        self._on_nonfinite(loss, grad_norm)
                     if self.ema is not None and finite:
-                        self.ema.update(self.model, self.step)
+                        self.ema.update(self.model, self.step - 1)  # EMA steps are 0-based
                     bar.update(1)
                     if self.step % self.cfg.log_every == 0 or self.step == phase_end:
                         now = time.perf_counter()
                         rate = samples_since_log / (now - t_log)
                         record = {"step": self.step, "phase": self.phase, "loss": self._mean(loss),
-                                  "grad_norm": float(grad_norm), "lr": self.lr_scheduler.get_last_lr()[0],
+                                  "grad_norm": float(grad_norm), "lr": lr,
                                   "img_per_s": rate, "samples_seen": self.loader.cursor,
                                   "skipped_steps": self.skipped_steps}
                         self._log(record, history_path)
                         bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{rate:.0f}")
                         t_log, samples_since_log = now, 0
                     end_of_phase = self.step == phase_end
-                    out_of_time = bool(self.cfg.max_seconds) and time.perf_counter() - t_start >= self.cfg.max_seconds
+                    out_of_time = (bool(self.cfg.max_seconds) and self.step < self.total_steps
+                                   and time.perf_counter() - t_start >= self.cfg.max_seconds)
                     if end_of_phase:
                         self.phase += 1
                         self.loader.close()
@@ -417,15 +431,19 @@ class Trainer:
             loss = self.world.all_reduce_mean(loss.detach().clone())
         return float(loss)
 
-    def _on_nonfinite(self, loss: torch.Tensor) -> None:
+    def _on_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.skipped_steps += 1
+        what = f"loss {float(loss)}, gradient norm {float(grad_norm)}"
         if self.cfg.nonfinite == "stop" or self.skipped_steps > self.cfg.max_skipped_steps:
             latest = ckpt.find_latest(self.run_dir)
             where = f"the last good checkpoint is {latest}" if latest else "no checkpoint was written yet"
-            raise TrainingDiverged(
-                f"loss is {float(loss)} at step {self.step} ({self.skipped_steps} non-finite steps); {where}. "
-                "Lower optim.lr, check the data, or set train.nonfinite=skip")
-        log.warning("non-finite loss at step %d: step skipped (%d so far)", self.step, self.skipped_steps)
+            if self.cfg.nonfinite == "stop":
+                hint = "lower optim.lr, check the data, or set train.nonfinite=skip"
+            else:
+                hint = (f"that makes {self.skipped_steps} non-finite steps, over train.max_skipped_steps="
+                        f"{self.cfg.max_skipped_steps}: lower optim.lr or check the data")
+            raise TrainingDiverged(f"non-finite loss or gradients at step {self.step} ({what}); {where}; {hint}")
+        log.warning("non-finite step %d (%s): skipped (%d so far)", self.step, what, self.skipped_steps)
 
     # ------------------------------------------------------------------ logging
 

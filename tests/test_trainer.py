@@ -1,0 +1,456 @@
+"""The trainer's contract: exact resume (also after SIGKILL of the CLI), phases, time limit,
+non-finite losses, batch plans, config/data checks, the train command and incomplete checkpoints.
+
+Every run trains the tiny U-Net on the session's tiny latent datasets (``latent_fixtures``) on
+CPU in fp32, with one intra-op thread: results are compared bit for bit, and CPU kernels may
+split reductions differently with another thread count (the subprocesses get
+``OMP_NUM_THREADS=1`` for the same reason; two contended threads were also ~20x slower here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from latentforge import checkpoint as ckpt
+from latentforge.cli import main as cli_main
+from latentforge.config import apply_overrides, from_dict, load_config
+from latentforge.errors import ConfigError, UserError
+from latentforge.train.optim import OptimConfig, lr_multiplier
+from latentforge.train.run import DATA_META, TRAIN_CONFIG, RunConfig, train
+from latentforge.train.trainer import PhaseConfig, TrainConfig, Trainer, TrainingDiverged, World, batch_plan
+from latent_fixtures import latent_data  # noqa: F401  (session fixture)
+
+STEPS = 8  # optimizer steps of the main run; checkpoints every STEPS // 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_config(data: dict[str, Path], *overrides: str, phases: list[dict] | None = None) -> dict[str, Any]:
+    """Plain RunConfig data: v-prediction, min-SNR, offset noise, EMA, cosine LR with warmup,
+    micro batch 4 x 2 accumulation steps, caption dropout 0.2, a log line every step;
+    ``overrides`` are dotted ``key=value`` strings as on the command line."""
+    base = {
+        "train": {
+            "seed": 3,
+            "unet": {"preset": "tiny"},
+            "noise": {"prediction_type": "v_prediction"},
+            "min_snr_gamma": 5.0,
+            "offset_noise": 0.1,
+            "optim": {"lr": 1e-3, "warmup_steps": 2, "schedule": "cosine"},
+            "ema": {"decay": 0.9},
+            "phases": phases or [{"datasets": [{"path": str(data["latent16"])}], "steps": STEPS}],
+            "micro_batch_size": 4,
+            "global_batch_size": 8,
+            "log_every": 1,
+            "checkpoint": {"every_steps": STEPS // 2, "keep_last": 20},
+            "loggers": [],
+        },
+        "data": {"seed": 1, "caption_dropout": 0.2, "num_workers": 0, "shuffle_window_shards": 2,
+                 "cache_dir": str(data["cache"])},
+    }
+    return apply_overrides(base, list(overrides))
+
+
+def run(cfg: dict[str, Any], run_dir: Path, resume: str = "auto") -> dict[str, Any]:
+    return train(from_dict(RunConfig, cfg), run_dir, resume=resume, progress=False)
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The log records without the throughput (which depends on timing)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "img_per_s"} for line in lines]
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in (run_dir / ckpt.CHECKPOINTS).glob("step-*") if "." not in p.name)
+
+
+def load_step(run_dir: Path, step: int) -> ckpt.Checkpoint:
+    return ckpt.load_checkpoint(run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(step))
+
+
+def assert_same_tensors(a: ckpt.Checkpoint, b: ckpt.Checkpoint, groups: tuple[str, ...] = ("model", "ema")) -> None:
+    for group in groups:
+        ta, tb = a.tensors[group], b.tensors[group]
+        assert ta.keys() == tb.keys(), group
+        differ = [k for k in ta if not torch.equal(ta[k], tb[k])]
+        assert not differ, f"{group}: {len(differ)} of {len(ta)} tensors differ, e.g. {differ[:3]}"
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Same log record at every step (loss, grad norm, lr, cursor...) and bitwise the same final
+    model and EMA."""
+    ma, mb = metrics(a), metrics(b)
+    assert [r["step"] for r in mb] == [r["step"] for r in ma]
+    for ra, rb in zip(ma, mb):
+        assert ra == rb, f"step {ra['step']}: {ra} != {rb}"
+    assert_same_tensors(ckpt.load_checkpoint(ckpt.find_latest(a)), ckpt.load_checkpoint(ckpt.find_latest(b)))
+
+
+class Killed(BaseException):
+    """Stands for a crash of the process (not an Exception, so nothing catches it on the way)."""
+
+
+def kill_before_step(monkeypatch, step: int) -> None:
+    """Make the next run die when it is about to train optimizer step ``step`` (1-based)."""
+    original = Trainer.train_step
+
+    def train_step(self, batches):
+        if self.step + 1 == step:
+            raise Killed(step)
+        return original(self, batches)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+@pytest.fixture(scope="module")
+def straight(latent_data, tmp_path_factory, one_thread) -> Path:
+    """STEPS uninterrupted steps: the reference the interrupted runs must reproduce exactly."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    summary = run(run_config(latent_data), run_dir)
+    assert summary == {**summary, "step": STEPS, "finished": True, "skipped_steps": 0}
+    return run_dir
+
+
+# ------------------------------------------------------------------------------- exact resume
+
+
+def test_straight_run_logs_every_step_with_the_lr_it_used(straight):
+    records = metrics(straight)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["samples_seen"] for r in records] == [8 * s for s in range(1, STEPS + 1)]
+    optim = OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine")
+    for r in records:
+        assert r["lr"] == pytest.approx(1e-3 * lr_multiplier(r["step"] - 1, optim, STEPS), rel=1e-12, abs=1e-15)
+        assert math.isfinite(r["loss"]) and r["skipped_steps"] == 0
+    assert checkpoint_steps(straight) == [STEPS // 2, STEPS]
+    meta = load_step(straight, STEPS // 2).meta
+    assert meta["step"] == STEPS // 2 and meta["phase"] == 0 and meta["loader"]["cursor"] == 8 * STEPS // 2
+
+
+def test_resume_after_sigkill_of_the_cli_is_exact(straight, latent_data, tmp_path):
+    """`latentforge train` is SIGKILLed after its checkpoint at STEPS/2 and rerun with --resume
+    auto and 2 loader workers (0 before): every logged step and the final model and EMA match
+    the uninterrupted in-process run bit for bit. Also checks what the command leaves behind."""
+    cfg = run_config(latent_data, "train.loggers=[tensorboard]")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"train": cfg["train"], "loader": cfg["data"]}))
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "latentforge", "train", str(run_dir), "--recipe", str(recipe), "--quiet"]
+
+    half = run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(STEPS // 2)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not half.exists():  # renamed into place only when complete
+            assert proc.poll() is None, f"train exited with {proc.returncode}: {proc.stderr.read()}"
+            assert time.monotonic() < deadline, "no checkpoint after 120 s"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    assert checkpoint_steps(run_dir) == [STEPS // 2], "the run finished before it was killed: nothing was tested"
+
+    resumed = subprocess.run(command + ["--resume", "auto", "loader.num_workers=2"], env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.strip().splitlines()[-1].startswith(f"train: finished at step {STEPS}")
+    assert_same_run(straight, run_dir)
+
+    assert checkpoint_steps(run_dir) == [STEPS // 2, STEPS]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    saved = load_config(RunConfig, run_dir / TRAIN_CONFIG)
+    assert saved.train.unet.cross_attention_dim == 16 and saved.data.num_workers == 2
+    data_meta = json.loads((run_dir / DATA_META).read_text())
+    assert data_meta["latent_shape"] == [4, 8, 8] and data_meta["text_shape"] == [8, 16]
+
+
+def test_resume_in_a_fresh_trainer_is_exact(straight, latent_data, tmp_path, monkeypatch):
+    """A crash two steps after the checkpoint (their log lines are dropped on resume), then a
+    fresh Trainer with 2 loader workers instead of 0."""
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as m:
+        kill_before_step(m, STEPS // 2 + 3)
+        with pytest.raises(Killed):
+            run(run_config(latent_data), run_dir)
+    assert checkpoint_steps(run_dir) == [STEPS // 2]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS // 2 + 3))
+    run(run_config(latent_data, "data.num_workers=2"), run_dir)
+    assert_same_run(straight, run_dir)
+
+
+def test_two_phases_switch_by_themselves_and_resume_exactly_mid_phase(latent_data, tmp_path, monkeypatch):
+    """Phase 1: 4 steps at 8x8 latents; phase 2: 22 samples (= 6 steps of 4) of 16x16 latents with
+    another batch size and peak lr. A crash in phase 2 resumes from its mid-phase checkpoint."""
+    phases = [
+        {"name": "low", "datasets": [{"path": str(latent_data["latent16"])}], "steps": 4},
+        {"name": "high", "datasets": [{"path": str(latent_data["latent32"])}], "samples": 22,
+         "micro_batch_size": 2, "global_batch_size": 4, "lr": 5e-4},
+    ]
+    cfg = run_config(latent_data, "train.checkpoint.every_steps=3", phases=phases)
+    a, b = tmp_path / "straight", tmp_path / "killed"
+    assert run(cfg, a)["step"] == 10
+
+    records = metrics(a)
+    assert [r["phase"] for r in records] == [0] * 4 + [1] * 6
+    assert [r["samples_seen"] for r in records] == [8, 16, 24, 32, 4, 8, 12, 16, 20, 24]
+    optim = OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine")
+    for r in records:
+        peak = 1e-3 if r["phase"] == 0 else 5e-4
+        assert r["lr"] == pytest.approx(peak * lr_multiplier(r["step"] - 1, optim, 10), rel=1e-12, abs=1e-15)
+    assert checkpoint_steps(a) == [3, 4, 6, 9, 10]
+    end_of_phase = load_step(a, 4).meta
+    assert end_of_phase["phase"] == 1 and end_of_phase["loader"] is None
+
+    with monkeypatch.context() as m:
+        kill_before_step(m, 8)
+        with pytest.raises(Killed):
+            run(cfg, b)
+    assert checkpoint_steps(b) == [3, 4, 6]
+    assert load_step(b, 6).meta["loader"]["cursor"] == 8  # 2 steps of 4 samples into phase 2
+    run(apply_overrides(cfg, ["data.num_workers=2"]), b)
+    assert_same_run(a, b)
+
+
+def test_max_seconds_stops_with_a_checkpoint_and_each_rerun_continues(straight, latent_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = run_config(latent_data, "train.max_seconds=1.0e-9")  # out of time after every step
+    summaries = []
+    while not summaries or not summaries[-1]["finished"]:
+        assert len(summaries) < STEPS + 2
+        summaries.append(run(cfg, run_dir))
+        assert checkpoint_steps(run_dir)[-1] == summaries[-1]["step"]
+    assert [s["step"] for s in summaries] == list(range(1, STEPS + 1)), "one step per run, the last one finished"
+    assert_same_run(straight, run_dir)
+
+
+def test_incomplete_checkpoint_is_skipped_by_resume_auto(straight, tmp_path, latent_data, caplog):
+    """The newest checkpoint lost its COMPLETE marker (a crash while writing it): resume=auto
+    warns, takes the one before, and the retrained steps come out the same."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    newest = run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(STEPS)
+    (newest / ckpt.MARKER).unlink()
+    with caplog.at_level(logging.WARNING, logger="latentforge.checkpoint"):
+        summary = run(run_config(latent_data), run_dir)
+    assert any("incomplete checkpoint" in r.getMessage() and newest.name in r.getMessage() for r in caplog.records)
+    assert summary["step"] == STEPS and summary["finished"]
+    assert (newest / ckpt.MARKER).exists()
+    assert_same_run(straight, run_dir)
+
+
+def test_ema_copies_the_weights_before_start_step(latent_data, tmp_path):
+    """ema.start_step=2: optimizer steps 0 and 1 (0-based) copy the weights, so after two steps
+    the EMA equals the model; the third step averages."""
+    run_dir = tmp_path / "run"
+    run(run_config(latent_data, "train.ema.start_step=2", "train.checkpoint.every_steps=1",
+                   "train.phases.0.steps=3"), run_dir)
+    assert_same_tensors(load_step(run_dir, 2), _as_model(load_step(run_dir, 2)), groups=("ema",))
+    with pytest.raises(AssertionError):
+        assert_same_tensors(load_step(run_dir, 3), _as_model(load_step(run_dir, 3)), groups=("ema",))
+
+
+def _as_model(c: ckpt.Checkpoint) -> ckpt.Checkpoint:
+    """The checkpoint with its model weights in place of the EMA."""
+    return ckpt.Checkpoint(c.path, {"ema": c.tensors["model"]}, c.state, c.meta)
+
+
+# ------------------------------------------------------------------------------- non-finite loss
+
+
+def inject_nonfinite(monkeypatch, steps: set[int], where: str) -> None:
+    """Optimizer steps ``steps`` (1-based) get a NaN loss (``where="loss"``), or a finite loss
+    whose gradients are NaN (``"grad"``: an overflow in the backward pass)."""
+    original = Trainer.loss_on
+
+    class NaNGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * float("nan")
+
+    def loss_on(self, batch):
+        loss = original(self, batch)
+        if self.step + 1 in steps:
+            return loss * float("nan") if where == "loss" else NaNGrad.apply(loss)
+        return loss
+
+    monkeypatch.setattr(Trainer, "loss_on", loss_on)
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_nonfinite_stop_names_the_last_good_checkpoint(latent_data, tmp_path, monkeypatch, where):
+    run_dir = tmp_path / "run"
+    inject_nonfinite(monkeypatch, {5}, where)
+    with pytest.raises(TrainingDiverged) as e:
+        run(run_config(latent_data, "train.checkpoint.every_steps=2"), run_dir)
+    message = str(e.value)
+    assert isinstance(e.value, UserError) and "\n" not in message
+    assert "at step 5" in message and str(run_dir / ckpt.CHECKPOINTS / "step-00000004") in message
+    assert checkpoint_steps(run_dir) == [2, 4], "nothing may be saved after the non-finite step"
+    assert all(torch.isfinite(t).all() for t in load_step(run_dir, 4).tensors["model"].values())
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_nonfinite_skip_leaves_the_state_unchanged_and_stops_past_the_limit(latent_data, tmp_path, monkeypatch,
+                                                                            where):
+    run_dir = tmp_path / "run"
+    inject_nonfinite(monkeypatch, {3, 5}, where)
+    cfg = run_config(latent_data, "train.nonfinite=skip", "train.max_skipped_steps=1", "train.checkpoint.every_steps=1")
+    with pytest.raises(TrainingDiverged) as e:
+        run(cfg, run_dir)
+    message = str(e.value)
+    assert "\n" not in message and "at step 5" in message and "max_skipped_steps" in message
+    assert checkpoint_steps(run_dir) == [1, 2, 3, 4]
+
+    before, skipped, after = load_step(run_dir, 2), load_step(run_dir, 3), load_step(run_dir, 4)
+    assert_same_tensors(before, skipped)
+    for i, s in before.state["optimizer"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, skipped.state["optimizer"]["state"][i][k]), f"optimizer state {i}.{k} changed"
+    with pytest.raises(AssertionError):
+        assert_same_tensors(skipped, after)  # training went on after the skipped step
+    assert [before.meta["skipped_steps"], skipped.meta["skipped_steps"], after.meta["skipped_steps"]] == [0, 1, 1]
+    records = metrics(run_dir)
+    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1]
+    assert not math.isfinite(records[2]["loss"] if where == "loss" else records[2]["grad_norm"])
+
+
+# ------------------------------------------------------------------------------- batch plans and config
+
+
+def test_batch_plan():
+    assert batch_plan(4, 8, 1) == 2
+    assert batch_plan(4, 16, 2) == 2
+    assert batch_plan(4, 0, 3) == 1
+    with pytest.raises(ConfigError, match=r"^train\.global_batch_size: 8 is not divisible by .*4\*4 = 16"):
+        batch_plan(4, 8, 4)
+
+
+def _trainer(cfg: TrainConfig, world: World | None = None) -> Trainer:
+    """A Trainer around a stand-in model: enough to see its batch plan (it never trains)."""
+    return Trainer(cfg, torch.nn.Linear(2, 2), lambda phase, micro: None, "unused",
+                   {"vae": {"scaling_factor": 1.0}}, world=world, progress=False)
+
+
+def test_samples_become_steps_and_batch_sizes_resolve_per_phase():
+    ds = [{"path": "unused"}]
+    cfg = from_dict(TrainConfig, {"micro_batch_size": 4, "global_batch_size": 8, "ema": None, "phases": [
+        {"datasets": ds, "samples": 20},  # ceil(20 / 8)
+        {"datasets": ds, "samples": 16, "global_batch_size": 4},
+        {"datasets": ds, "steps": 5, "micro_batch_size": 2},  # global 8 from train: 4 accumulation steps
+    ]})
+    t = _trainer(cfg)
+    assert t.phase_steps == [3, 4, 5] and t.total_steps == 12
+    assert t.phase_batches == [(4, 2, 8), (4, 1, 4), (2, 4, 8)]
+    no_global = from_dict(TrainConfig, {"micro_batch_size": 4, "ema": None, "phases": [{"datasets": ds, "samples": 20}]})
+    assert _trainer(no_global, World(rank=0, world_size=2)).phase_steps == [3]  # global = 4 x 2 ranks
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"global_batch_size": 12}, "train.global_batch_size"),  # 12 % (8 x 1)
+    ({"global_batch_size": 16, "world_size": 3}, "train.global_batch_size"),
+    ({"phase_global": 20}, "train.phases[0].global_batch_size"),
+    ({"phase_micro": 3}, "train.global_batch_size"),  # 16 from train, micro 3 from the phase
+])
+def test_indivisible_global_batch_names_the_field(overrides, field):
+    phase = {"datasets": [{"path": "unused"}], "steps": 2}
+    if "phase_global" in overrides:
+        phase["global_batch_size"] = overrides["phase_global"]
+    if "phase_micro" in overrides:
+        phase["micro_batch_size"] = overrides["phase_micro"]
+    cfg = from_dict(TrainConfig, {"micro_batch_size": 8, "global_batch_size": overrides.get("global_batch_size", 16),
+                                  "ema": None, "phases": [phase]})
+    with pytest.raises(ConfigError) as e:
+        _trainer(cfg, World(world_size=overrides.get("world_size", 1)))
+    assert str(e.value).startswith(f"{field}: ") and "not divisible" in str(e.value)
+
+
+@pytest.mark.parametrize("phase, message", [
+    ({}, "phases[0].steps: set exactly one of steps and samples"),
+    ({"steps": 3, "samples": 30}, "phases[0].steps: set exactly one of steps and samples"),
+    ({"steps": -1}, "phases[0].steps: steps, samples and batch sizes must be >= 0"),
+    ({"steps": 3, "micro_batch_size": -2}, "phases[0].steps: steps, samples and batch sizes must be >= 0"),
+])
+def test_phase_needs_exactly_one_of_steps_and_samples(phase, message):
+    with pytest.raises(ConfigError) as e:
+        from_dict(TrainConfig, {"phases": [{"datasets": [{"path": "x"}], **phase}]})
+    assert str(e.value).startswith(message)
+
+
+def test_batch_check_of_a_later_phase_fails_before_the_run_directory_is_touched(latent_data, tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^train\.phases\[1\]\.global_batch_size: 6 is not divisible"):
+        run(run_config(latent_data, phases=[{"datasets": [{"path": str(latent_data["latent16"])}], "steps": 2},
+                                            {"datasets": [{"path": str(latent_data["latent16"])}], "steps": 2,
+                                             "global_batch_size": 6}]), run_dir)
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("override, exc, start", [
+    ("train.unet.cross_attention_dim=32", ConfigError, "train.unet.cross_attention_dim: 32 but the text encoder's "
+                                                       "hidden size is 16"),
+    ("train.phases.0.datasets.0.path=RAW", ConfigError, "train.phases[0].datasets[0].path: "),
+    ("train.unet.in_channels=3", ConfigError, "train.unet.in_channels: the latents have 4 channels"),
+    ("train.phases.0.resolution=32", ConfigError, "train.phases[0].resolution: 32 but "),
+])
+def test_config_that_does_not_fit_the_data_is_refused_in_one_line(latent_data, tmp_path, override, exc, start):
+    override = override.replace("RAW", str(latent_data["raw16"]))
+    with pytest.raises(exc) as e:
+        run(run_config(latent_data, override), tmp_path / "run")
+    assert str(e.value).startswith(start) and "\n" not in str(e.value)
+    if "RAW" in override or "raw16" in override:
+        assert "latentforge encode" in str(e.value)
+
+
+@pytest.mark.parametrize("override", ["train.unet.layers_per_block=2", "train.noise.prediction_type=epsilon",
+                                      "train.seed=4"])
+def test_resume_with_another_model_or_objective_is_refused(straight, latent_data, tmp_path, override):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    key = override.split("=")[0].split(".")[1]
+    with pytest.raises(UserError, match=rf"resuming with a different train\.{key} than the run was started with"):
+        run(run_config(latent_data, override), run_dir)
+    assert metrics(run_dir) == metrics(straight)  # nothing was touched
+
+
+# ------------------------------------------------------------------------------- the command line
+
+
+def test_cli_bad_input_exits_2_with_one_line(latent_data, tmp_path, capsys):
+    cfg = run_config(latent_data)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"train": cfg["train"], "loader": cfg["data"]}))
+    for override, start in (("train.micro_batch_size=four", "train.micro_batch_size: expected an integer"),
+                            ("train.nonsense=1", "train.nonsense: unknown key"),
+                            ("train.unet.cross_attention_dim=32", "train.unet.cross_attention_dim: 32")):
+        code = cli_main(["train", str(tmp_path / "run"), "--recipe", str(recipe), "--quiet", override])
+        err = capsys.readouterr().err
+        assert code == 2
+        assert err.startswith(f"latentforge: error: {start}") and err.count("\n") == 1, err
