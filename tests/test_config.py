@@ -86,3 +86,10 @@ def test_load_config_from_yaml(tmp_path):
         load_config(Outer, bad)
     with pytest.raises(ConfigError, match="file not found"):
         load_config(Outer, tmp_path / "missing.yaml")
+
+
+def test_float_written_without_a_dot():
+    cfg = from_dict(Outer, apply_overrides({}, ["inner.rate=1e-4"]))
+    assert cfg.inner.rate == 1e-4
+    with pytest.raises(ConfigError, match="inner.rate: expected a number"):
+        from_dict(Outer, {"inner": {"rate": "fast"}})

@@ -1,7 +1,7 @@
 """Export and sampling: an exported diffusers StableDiffusionPipeline reproduces ``latentforge sample``.
 
-A tiny run is trained once per text encoder (a BERT without CLIP's pooled output, and a CLIP text
-tower with its own noise schedule) on latents of a tiny VAE. Its export is loaded with the real
+A tiny run is trained once per text encoder (a BERT, a CLIP text tower with its own noise schedule,
+and a T5 encoder with the BERT tokenizer) on latents of a tiny VAE. Its export is loaded with the real
 ``StableDiffusionPipeline.from_pretrained`` offline and must give the images of ``latentforge
 sample`` for the same seed, for every sampler, with and without EMA weights.
 """
@@ -39,7 +39,7 @@ from latentforge.inference import (
 )
 from latentforge.models.autoencoder import load_vae
 from latentforge.train.run import RunConfig, train
-from tiny_models import make_raw_dataset, make_tiny_bert, make_tiny_clip, make_tiny_vae
+from tiny_models import make_raw_dataset, make_tiny_bert, make_tiny_clip, make_tiny_t5, make_tiny_vae
 
 RES = 16  # pixels; the tiny VAE halves it: 8x8x4 latents, the tiny U-Net preset's size
 MAX_LEN = 12  # tokens; below both tokenizers' own limits (BERT 32, CLIP 77), so export must set it
@@ -51,6 +51,7 @@ NUM_TRAIN_STEPS = 4
 # schedule (the export must carry it) and sample grids during training.
 RUN_SETTINGS = {
     "bert": {},
+    "t5": {},
     "clip": {
         "noise": {"prediction_type": "v_prediction", "timestep_spacing": "trailing", "num_train_timesteps": 500},
         "sampling": {"prompts": PROMPTS, "num_steps": 3, "seed": 5, "guidance_scale": 3.0, "sampler": "euler"},
@@ -81,6 +82,7 @@ def assets(tmp_path_factory) -> dict[str, Path]:
         "vae_shifted": make_tiny_vae(root / "vae_shifted", shift_factor=0.1),
         "bert": make_tiny_bert(root / "bert"),
         "clip": make_tiny_clip(root / "clip"),
+        "t5": make_tiny_t5(root / "t5"),  # no tokenizer of its own: encoded with the BERT one
         "raw": make_raw_dataset(root / "raw", n=16, resolution=RES, num_shards=2),
     }
 
@@ -88,7 +90,7 @@ def assets(tmp_path_factory) -> dict[str, Path]:
 @dataclass(frozen=True)
 class TinyRun:
     path: Path  # the run directory
-    encoder: str  # "bert" or "clip"
+    encoder: str  # "bert", "clip" or "t5"
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,7 @@ def build_run(assets, tmp_path_factory):
             latents = root / "latents"
             encode_dataset(str(assets["raw"]), str(latents), EncodeConfig(
                 vae=str(assets["vae"]), text_encoder=str(assets[encoder]), max_length=MAX_LEN, batch_size=8,
-                device="cpu"), progress=False)
+                device="cpu", tokenizer=str(assets["bert"]) if encoder == "t5" else None), progress=False)
             cfg = from_dict(RunConfig, {
                 "train": {
                     "unet": {"preset": "tiny"}, "ema": {"decay": 0.5}, "optim": {"lr": 1e-2},
@@ -181,14 +183,11 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
 # ------------------------------------------------------------------ the pipeline reproduces sample
 
 
-@pytest.mark.parametrize("sampler, ema", [("ddim", True), ("ddim", False), ("dpm++", True), ("euler", False),
-                                          ("ddpm", True)])
-def test_exported_pipeline_reproduces_sample(run, exports, tmp_path, sampler, ema):
-    seed = 11
-    pipe = _pipeline(exports(run, ema, sampler))
+def _check_reproduces(run: TinyRun, export_dir: Path, out: Path, sampler: str, ema: bool, seed: int) -> None:
+    pipe = _pipeline(export_dir)
     assert type(pipe.scheduler) is SAMPLERS[sampler][0]
     theirs = _pipeline_images(pipe, seed)
-    ours = _sample_cli(run, tmp_path / "samples", seed, sampler, ema)
+    ours = _sample_cli(run, out, seed, sampler, ema)
     assert theirs.shape == (len(PROMPTS), RES, RES, 3)
     assert _max_diff(theirs, ours) <= TOL
     assert _max_diff(ours[0], ours[1]) > 10 * TOL  # the prompts matter: the comparison sees conditioning
@@ -200,6 +199,20 @@ def test_exported_pipeline_reproduces_sample(run, exports, tmp_path, sampler, em
                                    STEPS, CFG, sampler)
     their_latents = _pipeline_images(pipe, seed, output_type="latent")
     torch.testing.assert_close(their_latents, our_latents, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("sampler, ema", [("ddim", True), ("ddim", False), ("dpm++", True), ("euler", False),
+                                          ("ddpm", True)])
+def test_exported_pipeline_reproduces_sample(run, exports, tmp_path, sampler, ema):
+    _check_reproduces(run, exports(run, ema, sampler), tmp_path / "samples", sampler, ema, seed=11)
+
+
+def test_run_with_a_separate_tokenizer(build_run, exports, tmp_path):
+    """A T5 encoded with another model's tokenizer: sampling and export find that tokenizer."""
+    run = build_run("t5")
+    export_dir = exports(run)
+    assert json.loads((export_dir / "model_index.json").read_text())["text_encoder"][1] == "T5EncoderModel"
+    _check_reproduces(run, export_dir, tmp_path / "samples", "ddim", True, seed=2)
 
 
 def test_ema_and_raw_weights_give_different_images(run, tmp_path):

@@ -31,7 +31,7 @@ from latentforge.config import apply_overrides, from_dict, load_config
 from latentforge.errors import ConfigError, UserError
 from latentforge.train.optim import OptimConfig, lr_multiplier
 from latentforge.train.run import DATA_META, TRAIN_CONFIG, RunConfig, train
-from latentforge.train.trainer import PhaseConfig, TrainConfig, Trainer, TrainingDiverged, World, batch_plan
+from latentforge.train.trainer import TrainConfig, Trainer, TrainingDiverged, World, batch_plan
 from latent_fixtures import latent_data  # noqa: F401  (session fixture)
 
 STEPS = 8  # optimizer steps of the main run; checkpoints every STEPS // 2
@@ -369,26 +369,22 @@ def test_samples_become_steps_and_batch_sizes_resolve_per_phase():
     t = _trainer(cfg)
     assert t.phase_steps == [3, 4, 5] and t.total_steps == 12
     assert t.phase_batches == [(4, 2, 8), (4, 1, 4), (2, 4, 8)]
-    no_global = from_dict(TrainConfig, {"micro_batch_size": 4, "ema": None, "phases": [{"datasets": ds, "samples": 20}]})
+    no_global = from_dict(TrainConfig, {"micro_batch_size": 4, "ema": None,
+                                        "phases": [{"datasets": ds, "samples": 20}]})
     assert _trainer(no_global, World(rank=0, world_size=2)).phase_steps == [3]  # global = 4 x 2 ranks
 
 
-@pytest.mark.parametrize("overrides, field", [
-    ({"global_batch_size": 12}, "train.global_batch_size"),  # 12 % (8 x 1)
-    ({"global_batch_size": 16, "world_size": 3}, "train.global_batch_size"),
-    ({"phase_global": 20}, "train.phases[0].global_batch_size"),
-    ({"phase_micro": 3}, "train.global_batch_size"),  # 16 from train, micro 3 from the phase
+@pytest.mark.parametrize("train_batch, phase_batch, world_size, field", [
+    ({"global_batch_size": 12}, {}, 1, "train.global_batch_size"),  # 12 % (8 x 1)
+    ({"global_batch_size": 16}, {}, 3, "train.global_batch_size"),  # 16 % (8 x 3)
+    ({}, {"global_batch_size": 20}, 1, "train.phases[0].global_batch_size"),
+    ({"global_batch_size": 16}, {"micro_batch_size": 3}, 1, "train.global_batch_size"),  # micro from the phase
 ])
-def test_indivisible_global_batch_names_the_field(overrides, field):
-    phase = {"datasets": [{"path": "unused"}], "steps": 2}
-    if "phase_global" in overrides:
-        phase["global_batch_size"] = overrides["phase_global"]
-    if "phase_micro" in overrides:
-        phase["micro_batch_size"] = overrides["phase_micro"]
-    cfg = from_dict(TrainConfig, {"micro_batch_size": 8, "global_batch_size": overrides.get("global_batch_size", 16),
-                                  "ema": None, "phases": [phase]})
+def test_indivisible_global_batch_names_the_field(train_batch, phase_batch, world_size, field):
+    cfg = from_dict(TrainConfig, {"micro_batch_size": 8, **train_batch, "ema": None,
+                                  "phases": [{"datasets": [{"path": "unused"}], "steps": 2, **phase_batch}]})
     with pytest.raises(ConfigError) as e:
-        _trainer(cfg, World(world_size=overrides.get("world_size", 1)))
+        _trainer(cfg, World(world_size=world_size))
     assert str(e.value).startswith(f"{field}: ") and "not divisible" in str(e.value)
 
 

@@ -163,7 +163,7 @@ def _evaluate(recipe: Any, out: Path, progress: bool) -> dict[str, Any]:
 
     d = recipe.demo
     size = recipe.ingest.image.resolution
-    judge, judge_report = build_judge([out / "synth" / "train", out / "synth" / "heldout"], out / "synth-check",
+    judge, judge_report = build_judge([out / "synth"], out / "synth-check",
                                       size, d.judge)
     heldout = recipe.synth.heldout_combos()
     rng = np.random.default_rng(d.seed)

@@ -27,7 +27,7 @@ from latentforge.diffusion.schedule import NoiseScheduleConfig, make_sampler
 from latentforge.errors import UserError
 from latentforge.models.autoencoder import load_vae
 from latentforge.models.text import encode_text, load_text_encoder
-from latentforge.models.unet import UNetConfig, build_unet
+from latentforge.models.unet import build_unet
 
 
 @dataclass

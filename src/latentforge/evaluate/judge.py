@@ -59,7 +59,7 @@ def to_tensor(images: Sequence[Image.Image], size: int) -> torch.Tensor:
 
 
 def load_labelled(synth_dir: Path, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], list[str]]:
-    """Real images of a ``data synth`` output with their colour and shape labels."""
+    """Real images of a ``data synth`` output (both splits) with their colour and shape labels."""
     labels_file = synth_dir / "labels.jsonl"
     if not labels_file.exists():
         raise UserError(f"{synth_dir}: no labels.jsonl (not a `latentforge data synth` output)")
@@ -126,7 +126,8 @@ def chance(num_colors: int, num_shapes: int) -> dict[str, float]:
 
 
 def build_judge(train_dirs: Sequence[Path], check_dir: Path, size: int, cfg: JudgeConfig) -> tuple[Judge, dict]:
-    """Train on the real images of ``train_dirs``; measure on those of ``check_dir`` (unseen renders)."""
+    """Train on the real images of the ``data synth`` outputs ``train_dirs``; measure on those of
+    ``check_dir`` (renders with another seed)."""
     t0 = time.perf_counter()
     parts = [load_labelled(Path(d), size) for d in train_dirs]
     colors, shapes = parts[0][3], parts[0][4]

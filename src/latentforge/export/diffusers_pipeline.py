@@ -49,7 +49,7 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)  # from an earlier failed export of this process
     try:
-        pipe.save_pretrained(tmp, safe_serialization=True); (tmp.parent / (tmp.name + 'x')).mkdir()
+        pipe.save_pretrained(tmp, safe_serialization=True)
         (tmp / "latentforge_export.json").write_text(json.dumps(
             {"checkpoint": str(path), "weights": comps.weights, "scheduler": scheduler}, indent=1))
         if final.exists():

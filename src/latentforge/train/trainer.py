@@ -108,7 +108,8 @@ class TrainConfig:
     sampling: SampleConfig = field(default_factory=SampleConfig, metadata={"help": "periodic sample grids"})
     log_every: int = field(default=20, metadata={"help": "steps between log lines (each costs a host sync)"})
     nonfinite: Literal["stop", "skip"] = field(default="stop", metadata={
-        "help": "on a NaN/inf loss: stop (the last checkpoint stays intact) or skip the step and count it"})
+        "help": "on a NaN/inf loss or gradient norm: stop (the last checkpoint stays intact) or skip the step "
+                "(no update) and count it"})
     max_skipped_steps: int = field(default=10, metadata={
         "help": "with nonfinite=skip: the most steps skipped in a run; one more stops it"})
     max_seconds: float = field(default=0.0, metadata={
