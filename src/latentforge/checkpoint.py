@@ -45,6 +45,7 @@ import torch
 
 import latentforge
 from latentforge.errors import UserError
+from latentforge.storage import pid_alive
 
 __all__ = [
     "Checkpoint",
@@ -174,16 +175,6 @@ def _versions() -> dict[str, str]:
     }
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by another user
-    return True
-
-
 def _clean_leftovers(root: Path) -> None:
     """Remove what crashed writers on this host left behind: ``.tmp-`` and ``.del-`` directories are
     deleted; an ``.old-`` directory (a complete checkpoint being replaced) is renamed back when the
@@ -193,7 +184,7 @@ def _clean_leftovers(root: Path) -> None:
         if not m or not entry.is_dir():
             continue
         final_name, kind, pid = m.group(1), m.group(2), int(m.group(3))
-        if pid == os.getpid() or _pid_alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         if kind == "old" and not (root / final_name).exists():
             log.warning("restoring %s: its writer died while replacing it", root / final_name)

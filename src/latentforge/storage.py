@@ -174,6 +174,17 @@ def download(uri: str, local_path: str | Path) -> None:
     os.replace(tmp, local_path)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (for telling a dead writer's leftovers from a live one's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
+
+
 def fsync_dir(path: str | Path) -> None:
     fd = os.open(str(path), os.O_RDONLY)
     try:

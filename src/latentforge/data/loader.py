@@ -231,16 +231,6 @@ class _ShardReader:
 # The node-local shard cache
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class ShardCache:
     """Shards as uncompressed Arrow IPC files in a node-local directory bounded by ``limit_bytes``.
 
@@ -401,11 +391,11 @@ class ShardCache:
                     shards.append((st.st_mtime, st.st_size, Path(entry.path)))
                 elif name.startswith(".reserve-"):
                     pid, need = int(name.split("-")[1]), int(name.rsplit("-", 1)[1])
-                    if _pid_alive(pid):
+                    if storage.pid_alive(pid):
                         used += need
                     else:
                         os.unlink(entry.path)
-                elif name.startswith(".tmp-") and not _pid_alive(int(name.split("-")[1])):
+                elif name.startswith(".tmp-") and not storage.pid_alive(int(name.split("-")[1])):
                     os.unlink(entry.path)
             except FileNotFoundError:
                 continue  # removed by another process meanwhile

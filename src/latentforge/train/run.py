@@ -137,8 +137,9 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     from latentforge.inference import training_sampler
 
     sample_fn = training_sampler(tcfg, meta, run) if tcfg.sampling.prompts and world.is_main else None
+    flops, peak = _flops_and_peak(tcfg, device)
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
-                      progress=progress)
+                      progress=progress, flops_per_image=flops, peak_flops=peak)
     if resume_from is not None and progress and world.is_main:
         print(f"resuming from {resume_from}")
     return trainer.fit(resume_from)
@@ -160,3 +161,18 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
         if b != n:
             raise UserError(f"{run}: resuming with a different train.{key} than the run was started with "
                             f"({TRAIN_CONFIG}); use a new run directory or restore the setting")
+
+
+def _flops_and_peak(cfg: TrainConfig, device: torch.device) -> tuple[list[float], float]:
+    """Model FLOPs per training image of each phase (its latent size) and the device's peak."""
+    from latentforge.plan.flops import device_peak_flops, train_flops_per_image
+
+    flops = []
+    for phase in cfg.phases:
+        index = read_index(phase.datasets[0].path)
+        _, size, _ = parse_ndarray(index.columns["latent_mean"])[1]
+        text_len = parse_ndarray(index.columns["text_hidden"])[1][0]
+        flops.append(float(train_flops_per_image(cfg.unet, size, text_len)))
+    precision = "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda") else "fp32"
+    peak, _ = device_peak_flops(device, precision)
+    return flops, peak

@@ -214,11 +214,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module, make_loader: Callable[[int, int], TrainLoader],
                  run_dir: str | Path, latent_meta: dict[str, Any], world: World | None = None,
                  device: torch.device | None = None, train_model: torch.nn.Module | None = None,
-                 sample_fn: Callable[["Trainer", int], None] | None = None, progress: bool = True):
+                 sample_fn: Callable[["Trainer", int], None] | None = None, progress: bool = True,
+                 flops_per_image: list[float] | None = None, peak_flops: float | None = None):
         """``model``: the plain U-Net (its state dict is what is saved); ``train_model``: what the
         forward pass calls (the same module, or a compiled / DDP / FSDP wrapper of it);
         ``make_loader(phase_index, micro_batch_size)``: the rank's loader of a phase;
-        ``latent_meta``: the latent dataset's meta (scale factor, text encoder)."""
+        ``latent_meta``: the latent dataset's meta (scale factor, text encoder);
+        ``flops_per_image`` (per phase) and ``peak_flops`` (per device): for the logged MFU."""
         self.cfg = cfg
         self.model = model
         self.train_model = train_model or model
@@ -228,6 +230,8 @@ class Trainer:
         self.device = device or next(model.parameters()).device
         self.sample_fn = sample_fn
         self.progress = progress and self.world.is_main
+        self.flops_per_image = flops_per_image
+        self.peak_flops = peak_flops
         vae = latent_meta["vae"]
         self.scaling_factor = float(vae["scaling_factor"])
         self.shift_factor = float(vae.get("shift_factor") or 0.0)
@@ -390,6 +394,9 @@ class Trainer:
                                   "grad_norm": float(grad_norm), "lr": lr,
                                   "img_per_s": rate, "samples_seen": self.loader.cursor,
                                   "skipped_steps": self.skipped_steps}
+                        if self.flops_per_image and self.peak_flops:
+                            per_device = rate / self.world.world_size
+                            record["mfu"] = per_device * self.flops_per_image[self.phase] / self.peak_flops
                         self._log(record, history_path)
                         bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{rate:.0f}")
                         t_log, samples_since_log = now, 0

@@ -1,0 +1,178 @@
+"""Training throughput and model-FLOPs utilisation on this machine, and ours vs the usual way.
+
+    python bench/bench_train.py [--steps 15] [--warmup 3] [--skip-baseline]
+
+A. The real training step (loader + Trainer.train_step: noise, U-Net forward/backward, AdamW,
+   foreach EMA) of the `tiny` and `small` U-Net presets on latent shards, fp32, eager. MFU uses
+   the analytic model FLOPs per image (3x forward, counted on the meta device) and the
+   measured fp32 matmul peak of this CPU.
+B. The demo's model and data trained our way (precomputed latents and text embeddings from
+   latent shards, foreach EMA) against the way the diffusers text_to_image example does it:
+   decode the images, run the VAE encoder and the text encoder on every step, and a Python loop
+   over parameters for the EMA. Same U-Net, batch and data, measured in the same run.
+
+Prints figures; asserts nothing about time. Steps are timed one by one; medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from latentforge.data import schema
+from latentforge.data.loader import LoaderConfig, StreamConfig, build_loader
+from latentforge.models.unet import UNetConfig, build_unet
+from latentforge.plan.flops import measured_cpu_peak_flops, train_flops_per_image
+from latentforge.train.ema import EMAConfig
+from latentforge.train.trainer import PhaseConfig, Trainer, TrainConfig
+
+
+def write_latent_dataset(root: Path, num: int, latent: tuple[int, int, int], text: tuple[int, int]) -> dict:
+    rng = np.random.default_rng(0)
+    columns = {"key": "str", "caption": "str",
+               "latent_mean": schema.ndarray_type("float16", latent),
+               "latent_std": schema.ndarray_type("float16", latent),
+               "text_hidden": schema.ndarray_type("float16", text)}
+    rows = [{"key": str(i), "caption": "x", "latent_mean": rng.standard_normal(latent).astype(np.float16),
+             "latent_std": np.full(latent, 0.1, np.float16), "text_hidden": rng.standard_normal(text).astype(np.float16)}
+            for i in range(num)]
+    shards = [schema.write_shard(root / f"shard-{i:06d}.parquet", rows[i::4], columns) for i in range(4)]
+    meta = {"vae": {"scaling_factor": 1.0, "fingerprint": "bench"}, "text_encoder": {"fingerprint": "bench"},
+            "resolution": latent[1] * 8}
+    schema.write_index(root, schema.DatasetIndex("latent", columns, shards, meta))
+    return meta
+
+
+def time_trainer(unet_cfg: UNetConfig, data: Path, meta: dict, batch: int, steps: int, warmup: int,
+                 run_dir: Path) -> list[float]:
+    """Seconds per step of the real trainer step, batches read from the loader inside the timing."""
+    cfg = TrainConfig(unet=unet_cfg, micro_batch_size=batch, ema=EMAConfig(decay=0.999),
+                      phases=[PhaseConfig(steps=steps + warmup, datasets=[StreamConfig(path=str(data))])],
+                      loggers=[])
+    torch.manual_seed(0)
+    model = build_unet(unet_cfg)
+    loader_cfg = LoaderConfig(datasets=[StreamConfig(path=str(data))], num_workers=0, cache_dir=str(run_dir / "cache"))
+    trainer = Trainer(cfg, model, lambda i, m: build_loader(loader_cfg, m), run_dir, meta, progress=False)
+    it = iter(trainer.make_loader(0, batch))
+    times = []
+    for step in range(steps + warmup):
+        t0 = time.perf_counter()
+        trainer.train_step([next(it)])
+        trainer.ema.update(model, step)
+        times.append(time.perf_counter() - t0)
+    return times[warmup:]
+
+
+def part_a(args, tmp: Path) -> None:
+    peak = measured_cpu_peak_flops()
+    print(f"\nA. training step of the presets (fp32, eager, batch as shown); CPU fp32 matmul peak measured "
+          f"{peak / 1e9:.0f} GFLOP/s")
+    print(f"{'preset':8s} {'params':>11s} {'latent':>9s} {'batch':>5s} {'ms/step':>9s} {'img/s':>8s} "
+          f"{'GFLOP/img':>10s} {'MFU':>6s}")
+    for preset, latent, batch in (("tiny", (4, 16, 16), 32), ("small", (4, 32, 32), 4)):
+        text = (77, 384)
+        ucfg = UNetConfig(preset=preset, in_channels=latent[0], out_channels=latent[0], sample_size=latent[1],
+                          cross_attention_dim=text[1])
+        data = tmp / f"lat-{preset}"
+        meta = write_latent_dataset(data, batch * (args.steps + args.warmup) + batch, latent, text)
+        times = time_trainer(ucfg, data, meta, batch, args.steps, args.warmup, tmp / f"run-{preset}")
+        med = statistics.median(times)
+        flops = train_flops_per_image(ucfg, latent[1], text[0])
+        rate = batch / med
+        params = sum(p.numel() for p in build_unet(ucfg).parameters())
+        print(f"{preset:8s} {params:11,d} {'x'.join(map(str, latent)):>9s} {batch:5d} {med * 1e3:9.0f} {rate:8.1f} "
+              f"{flops / 1e9:10.3f} {rate * flops / peak:6.1%}   (spread {min(times) * 1e3:.0f}-{max(times) * 1e3:.0f} ms)")
+
+
+def part_b(args, tmp: Path) -> None:
+    from latentforge.data.encode import EncodeConfig, encode_dataset
+    from latentforge.data.imageproc import ImageConfig
+    from latentforge.data.ingest import IngestConfig, ingest
+    from latentforge.data.synth import SynthConfig, generate
+    from latentforge.demo import builtin_text_encoder
+    from latentforge.models.autoencoder import build_vae
+    from latentforge.models.text import encode_text, load_text_encoder
+    from latentforge.recipe import load_recipe
+
+    recipe = load_recipe("tiny-cpu")
+    batch = recipe.train.micro_batch_size
+    num = batch * (args.steps + args.warmup + 1)
+    generate(tmp / "synth", replace(recipe.synth, num=num, num_heldout=0), progress=False)
+    ingest([str(tmp / "synth" / "train")], tmp / "raw", replace(recipe.ingest, num_workers=1), progress=False)
+    vae = build_vae(recipe.vae.model)  # untrained weights: the cost is what is measured
+    vae.register_to_config(scaling_factor=0.5)
+    vae.save_pretrained(tmp / "vae")
+    text_dir = builtin_text_encoder()
+    enc = replace(recipe.encode, vae=str(tmp / "vae"), text_encoder=text_dir)
+    encode_dataset(str(tmp / "raw"), str(tmp / "latents"), enc, progress=False)
+    index = schema.read_index(str(tmp / "latents"))
+    latent_shape = schema.parse_ndarray(index.columns["latent_mean"])[1]
+    ucfg = replace(recipe.train.unet, in_channels=latent_shape[0], out_channels=latent_shape[0],
+                   sample_size=latent_shape[1], cross_attention_dim=384)
+    ours = time_trainer(ucfg, tmp / "latents", index.meta, batch, args.steps, args.warmup, tmp / "run-ours")
+
+    # The usual way: everything on the fly, Python-loop EMA.
+    torch.manual_seed(0)
+    unet = build_unet(ucfg)
+    ema = [p.detach().clone() for p in unet.parameters()]
+    opt = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+    text_model, tokenizer = load_text_encoder(text_dir)
+    vae.eval().requires_grad_(False)
+    rows = schema.read_shard(str(tmp / "raw" / schema.read_index(str(tmp / "raw")).shards[0].name)).to_pylist()
+    from diffusers import DDPMScheduler
+
+    sched = DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    theirs = []
+    for step in range(args.steps + args.warmup):
+        t0 = time.perf_counter()
+        sel = [rows[(step * batch + i) % len(rows)] for i in range(batch)]
+        pixels = torch.stack([torch.from_numpy(np.asarray(Image.open(io.BytesIO(r["image"])).convert("RGB")).copy())
+                              for r in sel]).permute(0, 3, 1, 2).float() / 127.5 - 1
+        with torch.no_grad():
+            latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
+            hidden = encode_text(text_model, tokenizer, [r["caption"] for r in sel], enc.max_length)["text_hidden"]
+        noise = torch.randn_like(latents)
+        t = torch.randint(0, 1000, (batch,))
+        pred = unet(sched.add_noise(latents, noise, t), t, encoder_hidden_states=hidden).sample
+        loss = torch.nn.functional.mse_loss(pred, noise)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            for e, p in zip(ema, unet.parameters()):  # the Python-loop EMA
+                e.mul_(0.999).add_(p.detach(), alpha=0.001)
+        theirs.append(time.perf_counter() - t0)
+    theirs = theirs[args.warmup:]
+    o, t = batch / statistics.median(ours), batch / statistics.median(theirs)
+    print(f"\nB. the demo's model ({sum(p.numel() for p in unet.parameters()):,} params, latents "
+          f"{'x'.join(map(str, latent_shape))}, MiniLM text, batch {batch}), fp32 eager, same run")
+    print(f"   latentforge (precomputed latents + text, foreach EMA): {o:7.1f} img/s")
+    print(f"   on-the-fly VAE + text encoder, Python-loop EMA:        {t:7.1f} img/s")
+    print(f"   ratio ours/theirs: {o / t:.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--skip-baseline", action="store_true")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    with tempfile.TemporaryDirectory() as tmp:
+        part_a(args, Path(tmp))
+        if not args.skip_baseline:
+            part_b(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()

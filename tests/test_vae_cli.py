@@ -1,0 +1,76 @@
+"""train-vae and the command line: help texts, one-line errors, the data synth command."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from latentforge.cli import main
+from latentforge.data.loader import LoaderConfig, StreamConfig
+from latentforge.models.autoencoder import load_vae
+from latentforge.train.vae import VAETrainConfig, psnr, train_vae
+
+from tiny_models import make_raw_dataset
+
+COMMANDS = [["data", "synth"], ["ingest"], ["train-vae"], ["encode"], ["train"], ["sample"], ["export"], ["demo"],
+            ["config", "show"]]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c))
+def test_every_command_has_help(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(cmd + ["--help"])
+    assert e.value.code == 0
+    assert "--recipe" in capsys.readouterr().out
+
+
+def test_python_dash_m_and_bare_command():
+    out = subprocess.run([sys.executable, "-m", "latentforge", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "ingest" in out.stdout and "train-vae" in out.stdout
+    bare = subprocess.run([sys.executable, "-m", "latentforge"], capture_output=True, text=True)
+    assert bare.returncode == 0 and "usage" in bare.stdout  # the help of the top level
+
+
+def test_synth_command_and_bad_input(tmp_path, capsys):
+    assert main(["data", "synth", "--out", str(tmp_path / "s"), "--num", "40", "--seed", "1", "--size", "32",
+                 "--quiet", "synth.num_heldout=6"]) == 0
+    info = json.loads((tmp_path / "s" / "synth.json").read_text())
+    assert len(list((tmp_path / "s" / "train").glob("*.png"))) == 40
+    assert info["config"]["seed"] == 1
+    capsys.readouterr()
+    assert main(["data", "synth", "--out", str(tmp_path / "t"), "synth.image_size=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("latentforge: error: synth.image_size")
+    assert main(["config", "show", "--recipe", "no-such-recipe"]) == 2
+    assert "file not found" in capsys.readouterr().err
+
+
+def test_train_vae_measures_its_scale_factor(tmp_path):
+    raw = make_raw_dataset(tmp_path / "raw", 48, 16, num_shards=2)
+    held = make_raw_dataset(tmp_path / "held", 8, 16, num_shards=1, seed=1)
+    cfg = VAETrainConfig(data=LoaderConfig(datasets=[StreamConfig(path=str(raw))], num_workers=0,
+                                           cache_dir=str(tmp_path / "cache")),
+                         eval_dataset=str(held), steps=6, batch_size=8, warmup_steps=2, scale_samples=32, log_every=2)
+    cfg.model.block_out_channels = (8, 16)
+    cfg.model.norm_num_groups = 4
+    cfg.model.sample_size = 16
+    metrics = train_vae(cfg, tmp_path / "vae", progress=False)
+    vae = load_vae(str(tmp_path / "vae"))
+    assert vae.config.scaling_factor == pytest.approx(1 / metrics["latent_std"])
+    assert metrics["steps"] == 6 and metrics["num_heldout"] == 8 and metrics["heldout_psnr"] > 0
+    assert (tmp_path / "vae" / "diffusion_pytorch_model.safetensors").exists()
+    assert (tmp_path / "vae" / "train_vae_config.yaml").exists()
+    with pytest.raises(Exception, match="already holds a VAE"):
+        train_vae(cfg, tmp_path / "vae", progress=False)
+    # a mismatched image size is refused before training
+    cfg.model.sample_size = 32
+    with pytest.raises(Exception, match="sample_size"):
+        train_vae(cfg, tmp_path / "vae2", progress=False)
+
+
+def test_psnr_of_known_error():
+    x = torch.zeros(2, 3, 4, 4)
+    y = torch.full_like(x, 0.2)  # error 0.1 on the [0, 1] scale
+    assert psnr(x, y).tolist() == pytest.approx([20.0, 20.0], abs=1e-4)
