@@ -1,6 +1,6 @@
 """Training throughput and model-FLOPs utilisation on this machine, and ours vs the usual way.
 
-    python bench/bench_train.py [--steps 15] [--warmup 3] [--skip-baseline]
+    python bench/bench_train.py [--steps 15] [--warmup 3] [--skip-baseline | --only-baseline]
 
 A. The real training step (loader + Trainer.train_step: noise, U-Net forward/backward, AdamW,
    foreach EMA) of the `tiny` and `small` U-Net presets on latent shards, fp32, eager. MFU uses
@@ -139,7 +139,7 @@ def part_b(args, tmp: Path) -> None:
                               for r in sel]).permute(0, 3, 1, 2).float() / 127.5 - 1
         with torch.no_grad():
             latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
-            hidden = encode_text(text_model, tokenizer, [r["caption"] for r in sel], enc.max_length)["text_hidden"]
+            hidden = encode_text(text_model, tokenizer, [r["caption"] for r in sel], enc.max_length)["text_hidden"].clone()
         noise = torch.randn_like(latents)
         t = torch.randint(0, 1000, (batch,))
         pred = unet(sched.add_noise(latents, noise, t), t, encoder_hidden_states=hidden).sample
@@ -165,11 +165,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--skip-baseline", action="store_true", help="only part A")
+    ap.add_argument("--only-baseline", action="store_true", help="only part B")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     with tempfile.TemporaryDirectory() as tmp:
-        part_a(args, Path(tmp))
+        if not args.only_baseline:
+            part_a(args, Path(tmp))
         if not args.skip_baseline:
             part_b(args, Path(tmp))
 
