@@ -157,12 +157,8 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB") if img.mode != "RGB" else img
 
 
-def decode(data: bytes, max_pixels: int, draft_for: tuple[int, int] | None = None) -> Image.Image:
-    """Decode image bytes to an oriented 8-bit RGB image, or raise :class:`Reject`.
-
-    ``draft_for=(w, h)``: the smallest size the caller will resize to; JPEGs are then decoded
-    at a reduced DCT scale that still covers it (2-8x less decode work on large photos).
-    """
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    """Open image bytes, reading the header only; :class:`Reject` for empty, unknown or bomb-sized input."""
     if not data:
         raise Reject("empty_file")
     ImageFile.LOAD_TRUNCATED_IMAGES = False
@@ -171,33 +167,30 @@ def decode(data: bytes, max_pixels: int, draft_for: tuple[int, int] | None = Non
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data))
-            if img.width * img.height > max_pixels:
-                raise Reject("decompression_bomb", f"{img.width}x{img.height} pixels")
-            if draft_for and img.format == "JPEG":
-                scale = max(draft_for[0], draft_for[1]) / min(img.width, img.height)
-                img.draft("RGB", (math.ceil(img.width * scale), math.ceil(img.height * scale)))
-            img.load()
-            img = ImageOps.exif_transpose(img)
-    except Reject:
-        raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise Reject("decompression_bomb", str(e)) from None
     except Image.UnidentifiedImageError:
         raise Reject("not_an_image", "not a recognised image format") from None
+    except Exception as e:  # a header Pillow cannot parse
+        raise Reject("corrupt_image", f"{type(e).__name__}: {e}") from None
+    if img.width * img.height > max_pixels:
+        raise Reject("decompression_bomb", f"{img.width}x{img.height} pixels")
+    return img
+
+
+def _load(img: Image.Image) -> Image.Image:
+    """Decode an opened image, apply its EXIF orientation, convert to 8-bit RGB."""
+    try:
+        img.load()
+        img = ImageOps.exif_transpose(img)
     except Exception as e:  # truncated or broken image data: Pillow raises OSError/ValueError/SyntaxError
         raise Reject("corrupt_image", f"{type(e).__name__}: {e}") from None
     return _to_rgb(img)
 
 
-def image_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) after EXIF orientation, from the header only; None if unreadable."""
-    try:
-        img = Image.open(io.BytesIO(data))
-        w, h = img.size
-        orientation = img.getexif().get(0x0112, 1)
-    except Exception:
-        return None
-    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+def decode(data: bytes, max_pixels: int) -> Image.Image:
+    """Decode image bytes to an oriented 8-bit RGB image, or raise :class:`Reject`."""
+    return _load(_open(data, max_pixels))
 
 
 def resize_crop(img: Image.Image, width: int, height: int) -> Image.Image:
@@ -224,21 +217,25 @@ def encode(img: Image.Image, cfg: ImageConfig) -> bytes:
 
 def process_image(data: bytes, cfg: ImageConfig, filters: FilterConfig,
                   buckets: list[tuple[int, int]] | None = None) -> ProcessedImage:
-    """Decode, check size filters, resize and crop, encode. Raises :class:`Reject`."""
-    size = image_size(data)
-    draft = None
-    if size is not None:
-        # Size filters and the target come from the header, before the (costly) full decode.
-        _check_size(*size, filters)
-        draft = _target(*size, cfg, buckets)
-    img = decode(data, cfg.max_pixels, draft_for=draft)
-    if size is None or draft is None:
-        size = img.size
-        _check_size(*size, filters)
-    w, h = size
-    tw, th = _target(w, h, cfg, buckets)
+    """Decode (once), check size filters, resize and crop, encode. Raises :class:`Reject`."""
+    img = _open(data, cfg.max_pixels)
+    header_size = None
+    if img.format == "JPEG":
+        # JPEG headers carry the EXIF orientation, so the size filters and the target are known
+        # before decoding, and the decoder can work at a reduced DCT scale that still covers the
+        # target (2-8x less work on large photos).
+        w, h = img.size
+        header_size = (h, w) if img.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
+        _check_size(*header_size, filters)
+        tw, th = _target(*header_size, cfg, buckets)
+        scale = max(tw, th) / min(w, h)
+        img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
+    img = _load(img)
+    orig_w, orig_h = header_size or img.size  # the source size, oriented (a draft decode is smaller)
+    _check_size(orig_w, orig_h, filters)
+    tw, th = _target(orig_w, orig_h, cfg, buckets)
     out = resize_crop(img, tw, th)
-    return ProcessedImage(encode(out, cfg), cfg.format, tw, th, w, h)
+    return ProcessedImage(encode(out, cfg), cfg.format, tw, th, orig_w, orig_h)
 
 
 def _check_size(w: int, h: int, filters: FilterConfig) -> None:
