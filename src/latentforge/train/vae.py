@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from latentforge import storage
 from latentforge.config import save_config
 from latentforge.data.loader import LoaderConfig, build_loader
 from latentforge.data.schema import read_index, read_shard
@@ -82,8 +83,6 @@ def _load_eval_images(path: str, num: int) -> torch.Tensor:
     index = read_index(path)
     rows: list[dict] = []
     for shard in index.shards:
-        from latentforge import storage
-
         rows += read_shard(storage.join(path, shard.name), columns=["image"]).to_pylist()
         if len(rows) >= num:
             break
@@ -131,7 +130,7 @@ def train_vae(cfg: VAETrainConfig, out_dir: str | Path, progress: bool = True) -
     torch.manual_seed(cfg.seed)
     vae = build_vae(cfg.model).to(device)
     vae.train()
-    # The decoder's "loss" of a 1-level model is cheap; AdamW on all weights, cosine to 5%.
+    # AdamW on all weights; warmup, then cosine to 5% (constant when only max_seconds bounds the run).
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
     total = cfg.steps or 10**9
 
