@@ -11,7 +11,6 @@ is ingest >= 0.8 of it. Prints figures; asserts nothing about time.
 from __future__ import annotations
 
 import argparse
-import io
 import multiprocessing as mp
 import tempfile
 import time

@@ -94,10 +94,9 @@ def part_a(args, tmp: Path) -> None:
 
 
 def part_b(args, tmp: Path) -> None:
-    from latentforge.data.encode import EncodeConfig, encode_dataset
-    from latentforge.data.imageproc import ImageConfig
-    from latentforge.data.ingest import IngestConfig, ingest
-    from latentforge.data.synth import SynthConfig, generate
+    from latentforge.data.encode import encode_dataset
+    from latentforge.data.ingest import ingest
+    from latentforge.data.synth import generate
     from latentforge.demo import builtin_text_encoder
     from latentforge.models.autoencoder import build_vae
     from latentforge.models.text import encode_text, load_text_encoder

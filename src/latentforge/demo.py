@@ -74,7 +74,7 @@ class _Stages:
 def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     from latentforge.data.encode import encode_dataset
     from latentforge.data.ingest import ingest
-    from latentforge.data.synth import SynthConfig, generate
+    from latentforge.data.synth import generate
     from latentforge.train.run import RunConfig, train
     from latentforge.train.vae import train_vae
 
@@ -122,11 +122,14 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     st.done()
 
     st.start("evaluate", "sample seen and held-out prompts, score them with the judge")
-    evaluation = _evaluate(recipe, out, progress)
+    from latentforge.inference import load_components
+
+    comps = load_components(out / "run", use_ema=True)
+    evaluation = _evaluate(recipe, out, comps)
     st.done()
 
     st.start("export", "export a diffusers pipeline and check it reproduces the samples")
-    export_check = _export_and_check(recipe, out)
+    export_check = _export_and_check(recipe, out, comps)
     st.done()
 
     st.start("report", "write the report")
@@ -156,10 +159,10 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     return result
 
 
-def _evaluate(recipe: Any, out: Path, progress: bool) -> dict[str, Any]:
+def _evaluate(recipe: Any, out: Path, comps: Any) -> dict[str, Any]:
     from latentforge.data.synth import prompts_for_combos
     from latentforge.evaluate.judge import build_judge, chance, judge_images
-    from latentforge.inference import generate, load_components, make_grid
+    from latentforge.inference import generate, make_grid
 
     d = recipe.demo
     size = recipe.ingest.image.resolution
@@ -170,7 +173,6 @@ def _evaluate(recipe: Any, out: Path, progress: bool) -> dict[str, Any]:
     train_combos = recipe.synth.train_combos()
     seen = [train_combos[i] for i in rng.choice(len(train_combos), size=min(d.num_seen_combos, len(train_combos)),
                                                 replace=False)]
-    comps = load_components(out / "run", use_ema=True)
     result: dict[str, Any] = {"judge": judge_report, "chance": chance(len(judge_report["colors"]),
                                                                         len(judge_report["shapes"]))}
     for name, combos in (("heldout", heldout), ("seen", seen)):
@@ -192,12 +194,12 @@ def _evaluate(recipe: Any, out: Path, progress: bool) -> dict[str, Any]:
     return result
 
 
-def _export_and_check(recipe: Any, out: Path) -> dict[str, Any]:
+def _export_and_check(recipe: Any, out: Path, comps: Any) -> dict[str, Any]:
     """Export, load with diffusers' StableDiffusionPipeline, and compare its images with ours."""
     from diffusers import StableDiffusionPipeline
 
     from latentforge.export.diffusers_pipeline import export_pipeline
-    from latentforge.inference import generate, load_components
+    from latentforge.inference import generate
 
     export_dir = out / "export"
     shutil.rmtree(export_dir, ignore_errors=True)
@@ -208,7 +210,6 @@ def _export_and_check(recipe: Any, out: Path) -> dict[str, Any]:
     res = recipe.ingest.image.resolution
     theirs = pipe(prompts, num_inference_steps=10, guidance_scale=4.0, height=res, width=res,
                   generator=torch.Generator("cpu").manual_seed(7), output_type="np").images
-    comps = load_components(out / "run", use_ema=True)
     ours = generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length, prompts,
                     seed=7, num_steps=10, guidance_scale=4.0, sampler="ddim")
     ours_np = np.stack([np.asarray(im) for im in ours]).astype(np.float32) / 255

@@ -7,7 +7,6 @@ nothing here is specific to one provider. Local writes are atomic (temp file + f
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 from dataclasses import dataclass
@@ -77,16 +76,6 @@ def exists(uri: str) -> bool:
         except ClientError:
             return False
     return Path(uri).exists()
-
-
-def is_dir(uri: str) -> bool:
-    """A local directory, or an S3 prefix with at least one object under it."""
-    if is_s3(uri):
-        bucket, key = split_s3(uri)
-        prefix = key.rstrip("/") + "/" if key else ""
-        resp = s3_client().list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
-        return resp.get("KeyCount", 0) > 0
-    return Path(uri).is_dir()
 
 
 def list_files(uri: str, suffixes: Iterable[str] | None = None, recursive: bool = True) -> list[FileEntry]:
@@ -161,19 +150,6 @@ def write_bytes(uri: str, data: bytes) -> None:
         atomic_write_bytes(uri, data)
 
 
-def download(uri: str, local_path: str | Path) -> None:
-    """Copy ``uri`` to a local file atomically (S3 in chunks, never whole in memory)."""
-    local_path = Path(local_path)
-    local_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = local_path.with_name(f".{local_path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open_stream(uri) as src, open(tmp, "wb") as dst:
-        while chunk := src.read(8 << 20):
-            dst.write(chunk)
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, local_path)
-
-
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this host (for telling a dead writer's leftovers from a live one's)."""
     try:
@@ -191,7 +167,3 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def as_bytes_io(data: bytes) -> io.BytesIO:
-    return io.BytesIO(data)

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from latentforge import storage
 from latentforge.config import save_config
 from latentforge.data.schema import (
+    EMPTY_PROMPT,
     INDEX,
     DatasetIndex,
     ShardInfo,
@@ -69,7 +70,6 @@ __all__ = [
     "CONFIG_FILE",
 ]
 
-EMPTY_PROMPT = "empty_prompt.safetensors"
 REJECTED = "rejected.jsonl"
 SUMMARY = "summary.json"
 CONFIG_FILE = "encode_config.yaml"

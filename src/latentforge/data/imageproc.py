@@ -188,11 +188,6 @@ def _load(img: Image.Image) -> Image.Image:
     return _to_rgb(img)
 
 
-def decode(data: bytes, max_pixels: int) -> Image.Image:
-    """Decode image bytes to an oriented 8-bit RGB image, or raise :class:`Reject`."""
-    return _load(_open(data, max_pixels))
-
-
 def resize_crop(img: Image.Image, width: int, height: int) -> Image.Image:
     """Resize so the image covers (width, height), then center-crop to exactly that size."""
     scale = max(width / img.width, height / img.height)

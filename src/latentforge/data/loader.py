@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from latentforge import storage
 from latentforge.data import order
-from latentforge.data.schema import DatasetIndex, ShardInfo, parse_ndarray, read_index
+from latentforge.data.schema import EMPTY_PROMPT, DatasetIndex, ShardInfo, parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
 
 __all__ = [
@@ -56,7 +56,6 @@ __all__ = [
     "EMPTY_PROMPT",
 ]
 
-EMPTY_PROMPT = "empty_prompt.safetensors"  # written by data/encode.py next to index.json
 ORDER_VERSION = 1  # bump when order.py changes what a (seed, position) reads: old cursors are refused
 _GB = 1_000_000_000
 

@@ -35,6 +35,7 @@ from latentforge.errors import UserError
 FORMAT = "latentforge-shards"
 VERSION = 1
 INDEX = "index.json"
+EMPTY_PROMPT = "empty_prompt.safetensors"  # a latent dataset's "" text outputs (caption dropout, CFG)
 
 RAW_COLUMNS: dict[str, str] = {
     "key": "str",  # unique, stable id of the sample: "<source-unit>/<member>"

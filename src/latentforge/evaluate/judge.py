@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageFilter
+from PIL import Image
 from torch import nn
 
 from latentforge.data.synth import COLORS, SHAPES
