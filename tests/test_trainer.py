@@ -31,7 +31,8 @@ from latentforge.config import apply_overrides, from_dict, load_config
 from latentforge.errors import ConfigError, UserError
 from latentforge.train.optim import OptimConfig, lr_multiplier
 from latentforge.train.run import DATA_META, TRAIN_CONFIG, RunConfig, train
-from latentforge.train.trainer import TrainConfig, Trainer, TrainingDiverged, World, batch_plan
+from latentforge.distributed.env import World
+from latentforge.train.trainer import TrainConfig, Trainer, TrainingDiverged, batch_plan
 from latent_fixtures import latent_data  # noqa: F401  (session fixture)
 
 STEPS = 8  # optimizer steps of the main run; checkpoints every STEPS // 2

@@ -77,11 +77,18 @@ def cmd_train_vae(ns, overrides):
 
 
 def cmd_train(ns, overrides):
+    from latentforge.distributed.env import close_world, init_world
     from latentforge.train.run import RunConfig, train
 
     recipe = _recipe(ns, overrides, {})
-    summary = train(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, resume=ns.resume,
-                    progress=not ns.quiet)
+    world = init_world(recipe.train.device)  # torchrun / SLURM: RANK, WORLD_SIZE; else one process
+    try:
+        summary = train(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, resume=ns.resume,
+                        progress=not ns.quiet, world=world)
+    finally:
+        close_world()
+    if not world.is_main:
+        return
     state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
     print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s -> {ns.run_dir}")
 

@@ -13,7 +13,7 @@ import json
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -23,7 +23,8 @@ from latentforge.data.loader import LoaderConfig, build_loader
 from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.unet import UNetConfig, build_unet, unet_diffusers_config
-from latentforge.train.trainer import Trainer, TrainConfig, World, phase_batches
+from latentforge.distributed.env import World
+from latentforge.train.trainer import Trainer, TrainConfig, phase_batches
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,10 @@ def pick_device(name: str) -> torch.device:
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: bool = True,
-          world: World | None = None) -> dict[str, Any]:
-    """Run (or resume) the training of ``cfg`` in ``run_dir``; returns the trainer's summary."""
+          world: World | None = None, on_checkpoint: Callable[[Path, int], None] | None = None) -> dict[str, Any]:
+    """Run (or resume) the training of ``cfg`` in ``run_dir``; returns the trainer's summary.
+    ``world``: from :func:`latentforge.distributed.env.init_world` (None = a single process);
+    ``on_checkpoint(path, step)``: called on every rank after each complete checkpoint."""
     world = world or World()
     run = Path(run_dir)
     tcfg = cfg.train
@@ -139,7 +142,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     sample_fn = training_sampler(tcfg, meta, run) if tcfg.sampling.prompts and world.is_main else None
     flops, peak = _flops_and_peak(tcfg, device)
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
-                      progress=progress, flops_per_image=flops, peak_flops=peak)
+                      progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint)
     if resume_from is not None and progress and world.is_main:
         print(f"resuming from {resume_from}")
     return trainer.fit(resume_from)

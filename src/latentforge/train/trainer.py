@@ -31,6 +31,7 @@ from latentforge import checkpoint as ckpt
 from latentforge.data.loader import StreamConfig, TrainLoader
 from latentforge.diffusion.objectives import add_noise, diffusion_loss, min_snr_weight, training_target
 from latentforge.diffusion.schedule import NoiseScheduleConfig, alphas_cumprod, snr
+from latentforge.distributed.env import World
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.unet import UNetConfig
 from latentforge.train.ema import EMA, EMAConfig
@@ -165,21 +166,6 @@ def phase_num_steps(cfg: TrainConfig, batches: list[tuple[int, int, int]]) -> li
     return [p.steps or math.ceil(p.samples / global_) for p, (_, _, global_) in zip(cfg.phases, batches)]
 
 
-@dataclass
-class World:
-    """Where this process stands: rank, world size, and how to average gradients across ranks."""
-
-    rank: int = 0
-    world_size: int = 1
-    all_reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None  # for logged scalars
-    barrier: Callable[[], None] | None = None
-    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None  # skip grad sync on accumulation
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     """SplitMix64 finaliser (Steele et al. 2014): a fixed, well-mixed 64-bit hash."""
     x = (x + np.uint64(0x9E3779B97F4A7C15)) & np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -215,12 +201,15 @@ class Trainer:
                  run_dir: str | Path, latent_meta: dict[str, Any], world: World | None = None,
                  device: torch.device | None = None, train_model: torch.nn.Module | None = None,
                  sample_fn: Callable[["Trainer", int], None] | None = None, progress: bool = True,
-                 flops_per_image: list[float] | None = None, peak_flops: float | None = None):
+                 flops_per_image: list[float] | None = None, peak_flops: float | None = None,
+                 on_checkpoint: Callable[[Path, int], None] | None = None):
         """``model``: the plain U-Net (its state dict is what is saved); ``train_model``: what the
         forward pass calls (the same module, or a compiled / DDP / FSDP wrapper of it);
         ``make_loader(phase_index, micro_batch_size)``: the rank's loader of a phase;
         ``latent_meta``: the latent dataset's meta (scale factor, text encoder);
-        ``flops_per_image`` (per phase) and ``peak_flops`` (per device): for the logged MFU."""
+        ``flops_per_image`` (per phase) and ``peak_flops`` (per device): for the logged MFU;
+        ``on_checkpoint(path, step)``: called on every rank once a checkpoint is complete (a
+        launcher reports it at once, so that a restart resumes from it)."""
         self.cfg = cfg
         self.model = model
         self.train_model = train_model or model
@@ -232,6 +221,7 @@ class Trainer:
         self.progress = progress and self.world.is_main
         self.flops_per_image = flops_per_image
         self.peak_flops = peak_flops
+        self.on_checkpoint = on_checkpoint
         vae = latent_meta["vae"]
         self.scaling_factor = float(vae["scaling_factor"])
         self.shift_factor = float(vae.get("shift_factor") or 0.0)
@@ -277,13 +267,15 @@ class Trainer:
         }
         return tensors, state, meta
 
-    def save(self) -> Path | None:
+    def save(self) -> Path:
         tensors, state, meta = self.state()
         path = ckpt.save_checkpoint(self.run_dir, self.step, tensors, state, meta,
                                     keep_last=self.cfg.checkpoint.keep_last,
                                     keep_every=self.cfg.checkpoint.keep_every, is_writer=self.world.is_main)
         if self.world.barrier is not None:
             self.world.barrier()
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(path, self.step)
         return path
 
     def load(self, path: Path) -> dict[str, Any]:
