@@ -231,6 +231,11 @@ def test_num_per_prompt_matches_pipeline_and_writes_outputs(run, exports, tmp_pa
     assert (out / "prompts.txt").read_text().splitlines() == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
     # 4 images of 16 px: 2 x 2 cells, scaled 8x to 128 px, with a 12 px label band under each row.
     assert Image.open(out / "grid.png").size == (2 * 128, 2 * (128 + 12))
+    before = (out / "0000.png").read_bytes()
+    assert main(_sample_args(run.path, out, seed=5)) == 2  # never overwrites earlier samples silently
+    assert (out / "0000.png").read_bytes() == before
+    assert main(_sample_args(run.path, out, seed=5) + ["--overwrite"]) == 0
+    assert (out / "0000.png").read_bytes() != before
 
 
 def test_pipeline_default_size_is_the_training_resolution(run, exports):

@@ -96,13 +96,16 @@ def cmd_train(ns, overrides):
 def cmd_sample(ns, overrides):
     from pathlib import Path
 
+    from latentforge.errors import UserError
     from latentforge.inference import generate, load_components, make_grid
 
+    out = Path(ns.out)
+    if (out / "grid.png").exists() and not ns.overwrite:
+        raise UserError(f"{out}: already holds samples (grid.png); choose another --out or pass --overwrite")
     comps = load_components(ns.checkpoint, use_ema=not ns.no_ema)
     prompts = [p for p in ns.prompt for _ in range(ns.num_per_prompt)]
     images = generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length,
                       prompts, seed=ns.seed, num_steps=ns.steps, guidance_scale=ns.cfg, sampler=ns.sampler)
-    out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     for i, img in enumerate(images):
         img.save(out / f"{i:04d}.png")
@@ -195,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--num-per-prompt", dest="num_per_prompt", type=int, default=1)
     sp.add_argument("--no-ema", dest="no_ema", action="store_true", help="use the raw weights, not the EMA")
+    sp.add_argument("--overwrite", action="store_true", help="replace the samples already in --out")
 
     sp = add("export", cmd_export, "write a diffusers StableDiffusionPipeline directory from a checkpoint")
     sp.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory")
