@@ -35,6 +35,7 @@ from latentforge.distributed.env import World
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.unet import UNetConfig
 from latentforge.train.ema import EMA, EMAConfig
+from latentforge.train.loggers import MetricLogger, close_loggers, open_loggers
 from latentforge.train.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm
 from latentforge.train.rng import rng_state, set_rng_state
 
@@ -237,7 +238,7 @@ class Trainer:
         self.skipped_steps = 0
         self.loader: TrainLoader | None = None
         self.autocast_dtype = self._autocast_dtype()
-        self._loggers: list[Any] = []
+        self._loggers: list[MetricLogger] = []
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -448,42 +449,21 @@ class Trainer:
     # ------------------------------------------------------------------ logging
 
     def _open_loggers(self) -> None:
-        for name in self.cfg.loggers:
-            if name == "tensorboard":
-                from torch.utils.tensorboard import SummaryWriter
+        from latentforge.config import to_dict
 
-                self._loggers.append(SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.step + 1))
-            elif name == "wandb":
-                import wandb  # optional: only when asked for
-
-                self._loggers.append(wandb.init(project="latentforge", dir=str(self.run_dir), resume="allow"))
-            elif name == "mlflow":
-                import mlflow  # optional: only when asked for
-
-                self._loggers.append(mlflow)
+        self._loggers = open_loggers(list(self.cfg.loggers), self.run_dir, self.step, to_dict(self.cfg))
 
     def _log(self, record: dict[str, Any], history_path: Path) -> None:
         if not self.world.is_main:
             return
         with open(history_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        step = record["step"]
-        scalars = {k: v for k, v in record.items() if k not in ("step",)}
+        scalars = {k: v for k, v in record.items() if k != "step"}
         for lg in self._loggers:
-            if hasattr(lg, "add_scalar"):
-                for k, v in scalars.items():
-                    lg.add_scalar(f"train/{k}", v, step)
-            elif hasattr(lg, "log_metrics"):
-                lg.log_metrics({f"train/{k}": v for k, v in scalars.items()}, step=step)
-            else:
-                lg.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+            lg.log(scalars, record["step"])
 
     def _close_loggers(self) -> None:
-        for lg in self._loggers:
-            if hasattr(lg, "close"):
-                lg.close()
-            elif hasattr(lg, "finish"):
-                lg.finish()
+        close_loggers(self._loggers)
         self._loggers = []
 
 
