@@ -125,6 +125,90 @@ def cmd_demo(ns, overrides):
     run_demo(recipe, ns.out, progress=not ns.quiet)
 
 
+def cmd_bench(ns, overrides):
+    from latentforge.plan.bench import run_bench
+
+    recipe = _recipe(ns, overrides, {})
+    synthetic = True if ns.synthetic else (False if ns.real_data else None)
+    result = run_bench(recipe, steps=ns.steps, warmup=ns.warmup, synthetic=synthetic, progress=True)
+    with open(ns.out, "w") as f:
+        json.dump(result, f, indent=1)
+    data = ("synthetic batches of the recipe's shapes" + ("" if ns.synthetic else " (its datasets do not exist)")
+            if result["synthetic"] else "the recipe's datasets")
+    print(f"bench: {result['device_name']} {result['precision']}, peak {result['peak_flops'] / 1e12:.3f} TFLOP/s "
+          f"({result['peak_flops_source']}), data: {data}; memory: {result['memory_method']} -> {ns.out}")
+
+
+def cmd_plan(ns, overrides):
+    from dataclasses import replace
+
+    from latentforge.plan import cost
+    from latentforge.plan.shapes import recipe_phases
+
+    recipe = _recipe(ns, overrides, {})
+    cfg = recipe.plan
+    changes: dict = {}
+    if ns.gpu:
+        changes["gpu"] = cost.check_gpu(ns.gpu)
+    if ns.gpus:
+        try:
+            changes["gpus"] = [int(x) for x in ns.gpus.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--gpus {ns.gpus!r}: expected GPU counts like 8,16,32") from None
+    if ns.throughput and ns.img_per_sec_per_gpu:
+        raise UserError("give one of --throughput and --img-per-sec-per-gpu")
+    source = "recipe plan.img_per_s_per_gpu"
+    if ns.throughput:
+        from latentforge.plan.bench import load_bench_throughput
+
+        changes["img_per_s_per_gpu"], source = load_bench_throughput(ns.throughput)
+    elif ns.img_per_sec_per_gpu:
+        changes["img_per_s_per_gpu"] = cost.parse_pairs(ns.img_per_sec_per_gpu, "--img-per-sec-per-gpu")
+        source = "--img-per-sec-per-gpu"
+    if ns.scaling_efficiency:
+        changes["scaling_efficiency"] = cost.parse_pairs(ns.scaling_efficiency, "--scaling-efficiency")
+    for flag, key in (("price", "price_per_gpu_hour"), ("goodput", "goodput"), ("num_images", "num_images"),
+                      ("encode_img_per_sec_per_gpu", "encode_img_per_s_per_gpu")):
+        if getattr(ns, flag) is not None:
+            changes[key] = getattr(ns, flag)
+    cfg = replace(cfg, **changes)
+    cfg.validate()
+    if ns.memory:
+        print(_plan_memory(ns, recipe, cfg))
+        return
+    phases = recipe_phases(recipe)
+    plans = [cost.plan_run(phases, cfg, n) for n in cfg.gpus]
+    title = f"recipe {recipe.name}, throughput from {source}"
+    print(cost.format_plan(plans, cfg, title))
+    if ns.chart:
+        cost.plot_plans(plans, ns.chart, f"{recipe.name} on {cfg.gpu} (${cfg.price_per_gpu_hour:g}/GPU-hour)")
+        print(f"plan: chart -> {ns.chart}")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"phases": [vars(p) for p in phases], "plans": plans}, f, indent=1)
+
+
+def _plan_memory(ns, recipe, cfg) -> str:
+    from latentforge.plan.cost import GPU_MEMORY_GB
+    from latentforge.plan.memory import MemoryConfig, estimate_memory, format_memory
+    from latentforge.plan.shapes import phase_shapes, unet_for, vae_factor
+
+    shapes = phase_shapes(recipe)[-1]
+    resolution = ns.resolution or shapes.resolution
+    if resolution < 1 or resolution % vae_factor(recipe):
+        raise UserError(f"--resolution {resolution}: must be a positive multiple of the VAE factor {vae_factor(recipe)}")
+    train_micro = recipe.train.micro_batch_size if recipe.train.micro_batch_size != "auto" else 1
+    mem = MemoryConfig(unet=unet_for(recipe, shapes), latent_size=resolution // vae_factor(recipe),
+                       text_len=shapes.text_len, micro_batch_size=ns.micro_batch or train_micro,
+                       precision=ns.precision, parallel=ns.parallel, world_size=ns.world_size,
+                       activation_checkpointing=ns.activation_checkpointing, optimizer=ns.optimizer, ema=ns.ema)
+    if ns.gpu_memory is not None and not ns.gpu_memory > 0:
+        raise UserError(f"--gpu-memory: must be > 0 GB, got {ns.gpu_memory}")
+    gib = ns.gpu_memory or GPU_MEMORY_GB[cfg.gpu]
+    name = f"{ns.gpu_memory:g} GB" if ns.gpu_memory else cfg.gpu
+    return format_memory(mem, estimate_memory(mem), gib, name)
+
+
 def cmd_config(ns, overrides):
     import yaml
 
@@ -205,6 +289,44 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("demo", cmd_demo, "the end-to-end demo on the built-in dataset (recipe tiny-cpu by default)")
     sp.add_argument("--out", default="runs/demo", help="output directory (default runs/demo); a rerun resumes")
     sp.set_defaults(recipe="tiny-cpu")
+
+    sp = add("bench", cmd_bench, "time the real training step of a recipe on this machine: img/s per device, MFU, "
+             "peak memory; writes JSON that plan --throughput reads")
+    sp.add_argument("--steps", type=int, default=10, help="timed steps per phase (default 10)")
+    sp.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    sp.add_argument("--out", default="bench.json", help="output JSON (default bench.json)")
+    sp.add_argument("--synthetic", action="store_true",
+                    help="random latents and text states of the recipe's shapes (default when its datasets do not exist)")
+    sp.add_argument("--real-data", dest="real_data", action="store_true", help="require the recipe's datasets")
+
+    sp = add("plan", cmd_plan, "GPU-hours, days and cost of a recipe's phases on a cluster (table + PNG chart); "
+             "with --memory, the peak device memory of a set-up and whether it fits")
+    sp.add_argument("--gpus", help="GPU counts, e.g. 8,16,32,64,128,256 (plan.gpus)")
+    sp.add_argument("--gpu", help="GPU type, e.g. a100-80g, h100-sxm (plan.gpu)")
+    sp.add_argument("--price", type=float, help="dollars per GPU-hour (plan.price_per_gpu_hour)")
+    sp.add_argument("--throughput", help="a JSON written by latentforge bench on the target GPU")
+    sp.add_argument("--img-per-sec-per-gpu", dest="img_per_sec_per_gpu",
+                    help="training img/s per GPU by resolution, e.g. 256:137.5,512:36.3")
+    sp.add_argument("--scaling-efficiency", dest="scaling_efficiency",
+                    help="one number, or GPUS:EFFICIENCY points interpolated in log2(GPUs), e.g. 8:1.0,128:0.9")
+    sp.add_argument("--goodput", type=float, help="fraction of paid time that trains, in (0, 1] (default 1.0)")
+    sp.add_argument("--num-images", dest="num_images", type=int, help="distinct images to encode (plan.num_images)")
+    sp.add_argument("--encode-img-per-sec-per-gpu", dest="encode_img_per_sec_per_gpu", type=float,
+                    help="encoding img/s per GPU (default 58.0: MosaicML's 790M images in 3,784 A100-hours)")
+    sp.add_argument("--chart", default="plan.png", help="PNG of days and cost against GPUs (default plan.png; '' = none)")
+    sp.add_argument("--json", help="also write the plan as JSON here")
+    sp.add_argument("--memory", action="store_true", help="predict peak device memory instead of cost")
+    sp.add_argument("--resolution", type=int, help="--memory: image side in px (default: the last phase's)")
+    sp.add_argument("--micro-batch", dest="micro_batch", type=int, help="--memory: micro batch per rank")
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "bf16-weights"],
+                    help="--memory: fp32, bf16 autocast over fp32 weights, or bf16 weights + fp32 master")
+    sp.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp-grad-op", "fsdp-full"], help="--memory")
+    sp.add_argument("--world-size", dest="world_size", type=int, default=1, help="--memory: ranks")
+    sp.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
+                    help="--memory: recompute each U-Net block in the backward pass")
+    sp.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"], help="--memory")
+    sp.add_argument("--ema", default="same", choices=["same", "cpu", "off"], help="--memory: where the EMA lives")
+    sp.add_argument("--gpu-memory", dest="gpu_memory", type=float, help="--memory: device memory in GB (default: --gpu's)")
 
     cfg = sub.add_parser("config", help="show the resolved config of a recipe",
                          description="Print a recipe with its overrides applied and validated.")
