@@ -176,6 +176,8 @@ def cmd_plan(ns, overrides):
     if ns.memory:
         print(_plan_memory(ns, recipe, cfg))
         return
+    for p in recipe_phases(recipe, with_flops=False):  # a missing throughput fails before the FLOP count
+        cost.throughput_at({int(k): v for k, v in cfg.img_per_s_per_gpu.items()}, p.resolution, p.name)
     phases = recipe_phases(recipe)
     plans = [cost.plan_run(phases, cfg, n) for n in cfg.gpus]
     title = f"recipe {recipe.name}, throughput from {source}"

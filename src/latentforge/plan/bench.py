@@ -10,12 +10,15 @@ Data: the phase's latent datasets through the real loader (read time included) w
 exist; otherwise (or with ``synthetic=True``) random latents and text states of the recipe's
 shapes (:mod:`latentforge.plan.shapes`), made outside the timing: the output says which.
 
-Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` from just before the model is built; on
-CPU the resident-set high-water mark (``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``)
-minus the resident set just before the model is built. The CPU figure includes allocator
-overhead and any library buffers first touched by the step; memory freed by an earlier phase and
-kept by the allocator is reused without showing up, so run one phase per process for a clean
-figure of a later phase. The memory planner's prediction is printed beside it.
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` from just before the model is built. On
+CPU two figures: the peak of live tensor bytes during one extra, untimed step (every aten op's
+outputs counted per storage until freed, weights, optimizer state and EMA included: what
+``max_memory_allocated`` measures on CUDA), and the resident-set high-water mark (``VmHWM``,
+reset by writing 5 to ``/proc/self/clear_refs``) minus the resident set just before the model is
+built, which adds allocator overhead and library scratch buffers. Memory freed by an earlier
+phase and kept by the allocator is reused without showing up in the RSS figure, so run one phase
+per process for a clean RSS figure of a later phase. The memory planner's prediction is printed
+beside both.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ import json
 import statistics
 import tempfile
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from latentforge import storage
 from latentforge.errors import UserError
@@ -53,7 +59,8 @@ class PeakMemory:
         self.device = device
         self.base = 0
         self.method = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
-                       else "RSS high-water mark (VmHWM) minus RSS before the model was built")
+                       else "live tensor bytes of one extra step; RSS: high-water mark (VmHWM) minus RSS before "
+                            "the model was built")
 
     def start(self) -> None:
         gc.collect()
@@ -75,6 +82,55 @@ class PeakMemory:
         if self.base < 0:
             return None
         return _read_proc("VmHWM") - self.base
+
+
+class TensorBytes(TorchDispatchMode):
+    """Live tensor bytes and their peak, counted per storage as every aten op (backward included)
+    creates tensors, and released when a storage is freed: on CPU, the figure CUDA's
+    ``max_memory_allocated`` gives (library scratch space and allocator overhead excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live: set[int] = set()
+
+    def add(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._live:
+            return
+        size = storage.nbytes()
+        self._live.add(key)
+        self.current += size
+        self.peak = max(self.peak, self.current)
+
+        def release(key: int = key, size: int = size) -> None:
+            self.current -= size
+            self._live.discard(key)
+
+        weakref.finalize(storage, release)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self.add(t)
+        return out
+
+
+def _tracked_step(trainer, batch, step: int) -> int:
+    """Peak live tensor bytes of one more training step (weights, optimizer state and EMA included)."""
+    tracker = TensorBytes()
+    for t in [*trainer.model.parameters(), *(v for st in trainer.optimizer.state.values() for v in st.values()
+                                             if isinstance(v, torch.Tensor)),
+              *(trainer.ema.shadow if trainer.ema is not None else [])]:
+        tracker.add(t)
+    with tracker:
+        trainer.train_step([batch])
+        if trainer.ema is not None:
+            trainer.ema.update(trainer.model, step)
+    return tracker.peak
 
 
 def _datasets_exist(recipe) -> bool:
@@ -158,10 +214,12 @@ def run_bench(recipe, steps: int = 10, warmup: int = 2, synthetic: bool | None =
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     times.append(time.perf_counter() - t0)
+                peak_mem = memory.peak()
+                # CPU: one more step, untimed, counting live tensor bytes (slow: a Python hook per op).
+                tensor_peak = _tracked_step(trainer, next(batches), warmup + steps) if device.type == "cpu" else None
             finally:
                 if loader is not None:
                     loader.close()
-        peak_mem = memory.peak()
         del trainer, model
         timed = times[warmup:]
         median = statistics.median(timed)
@@ -176,7 +234,8 @@ def run_bench(recipe, steps: int = 10, warmup: int = 2, synthetic: bool | None =
             "step_seconds": {"median": median, "min": min(timed), "max": max(timed),
                              "spread": (max(timed) - min(timed)) / median},
             "img_per_s_per_device": img_s, "flops_per_image": flops, "mfu": img_s * flops / peak_flops,
-            "peak_memory_bytes": peak_mem, "predicted_memory_bytes": predicted,
+            "peak_memory_bytes": peak_mem if device.type == "cuda" else tensor_peak,
+            "peak_rss_bytes": peak_mem if device.type == "cpu" else None, "predicted_memory_bytes": predicted,
         }
         results.append(row)
         if progress:
@@ -201,9 +260,14 @@ def build_model(unet_cfg, device: torch.device) -> torch.nn.Module:
 
 def format_row(r: dict[str, Any]) -> str:
     s = r["step_seconds"]
-    mem = (f"peak memory {r['peak_memory_bytes'] / GIB:.3f} GiB (planner predicts "
-           f"{r['predicted_memory_bytes'] / GIB:.3f}, error {100 * (r['predicted_memory_bytes'] / r['peak_memory_bytes'] - 1):+.0f}%)"
-           if r["peak_memory_bytes"] else "peak memory not measured")
+    pred = r["predicted_memory_bytes"]
+
+    def vs(measured: int) -> str:
+        return f"{measured / GIB:.3f} GiB (planner {pred / GIB:.3f}, error {100 * (pred / measured - 1):+.0f}%)"
+
+    mem = f"peak memory {vs(r['peak_memory_bytes'])}"
+    if r["peak_rss_bytes"]:
+        mem += f", peak RSS {vs(r['peak_rss_bytes'])}"
     return (f"bench {r['phase']} ({r['resolution']} px, {r['latent_size']}x{r['latent_size']} latents, micro batch "
             f"{r['micro_batch_size']}): {1000 * s['median']:.1f} ms/step median over {r['steps']} steps "
             f"(min {1000 * s['min']:.1f}, max {1000 * s['max']:.1f}), {r['img_per_s_per_device']:.2f} img/s per "
