@@ -17,6 +17,7 @@ from latentforge.models.unet import UNetConfig, unet_num_params
 from latentforge.plan.memory import (GIB, MemoryConfig, device_bytes_needed, estimate_memory, largest_micro_batch,
                                      resolve_auto_micro_batch)
 from latentforge.train.trainer import PhaseConfig, TrainConfig, phase_batches
+from latent_fixtures import latent_data  # noqa: F401  (session fixture)
 
 PARTS = ("weights", "weight_copies", "gradients", "ddp_buckets", "optimizer", "ema", "activations", "fsdp_gather")
 SMALL = UNetConfig(preset="small")
@@ -127,3 +128,27 @@ def test_bench_writes_json_that_plan_reads_and_the_planner_matches_the_measured_
                  "--chart", "", "train.global_batch_size=64"]) == 0
     plan = capsys.readouterr().out
     assert "measured by bench on cpu" in plan and "shapes-32px" in plan
+
+
+def test_train_with_auto_micro_batch_accumulates_to_the_global_batch(latent_data, tmp_path, monkeypatch, caplog):
+    from latentforge.config import from_dict, load_config
+    from latentforge.plan import memory
+    from latentforge.train.run import TRAIN_CONFIG, RunConfig, train
+
+    text_len = 8  # latent_fixtures.TEXT_LEN
+    unet = UNetConfig(preset="tiny", in_channels=4, out_channels=4, cross_attention_dim=16)
+    fits_four = estimate_memory(MemoryConfig(unet=unet, latent_size=8, text_len=text_len, micro_batch_size=4,
+                                             precision="fp32", ema="off"))["total"]
+    monkeypatch.setattr(memory, "device_memory_budget", lambda device: (fits_four, False, "a test budget"))
+    cfg = from_dict(RunConfig, {
+        "train": {"unet": {"preset": "tiny"}, "ema": None, "micro_batch_size": "auto", "global_batch_size": 16,
+                  "phases": [{"datasets": [{"path": str(latent_data["latent16"])}], "steps": 2}],
+                  "loggers": [], "log_every": 1},
+        "data": {"num_workers": 0, "cache_dir": str(latent_data["cache"])}})
+    with caplog.at_level("WARNING", logger="latentforge.plan.memory"):
+        summary = train(cfg, tmp_path / "run", progress=False)
+    assert summary["step"] == 2 and "4 per rank x 4 accumulation x 1 ranks = global batch 16" in caplog.text
+    saved = load_config(RunConfig, tmp_path / "run" / TRAIN_CONFIG).train
+    assert saved.phases[0].micro_batch_size == 4 and saved.global_batch_size == 16
+    samples = [json.loads(line)["samples_seen"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert samples == [16, 32]

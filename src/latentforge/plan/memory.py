@@ -140,7 +140,7 @@ def _activation_profile(unet_json: str, latent_size: int, text_len: int, precisi
     with torch.device("meta"):
         model = UNet2DConditionModel(**unet_kwargs)
         if param_dtype != torch.float32:
-            model = model.to(param_dtype)
+            torch.nn.Module.to(model, param_dtype)  # diffusers' own .to warns about fp32 modules it has none of
         params = {p.untyped_storage()._cdata for p in model.parameters()}
         saved: dict[int, int] = {}
         mode = _GPUStandIns(torch.bfloat16 if precision == "bf16" else None)
