@@ -140,75 +140,18 @@ def cmd_bench(ns, overrides):
 
 
 def cmd_plan(ns, overrides):
-    from dataclasses import replace
-
-    from latentforge.plan import cost
-    from latentforge.plan.shapes import recipe_phases
+    from latentforge.plan.report import cost_report, memory_report, plan_config
 
     recipe = _recipe(ns, overrides, {})
-    cfg = recipe.plan
-    changes: dict = {}
-    if ns.gpu:
-        changes["gpu"] = cost.check_gpu(ns.gpu)
-    if ns.gpus:
-        try:
-            changes["gpus"] = [int(x) for x in ns.gpus.split(",") if x.strip()]
-        except ValueError:
-            raise UserError(f"--gpus {ns.gpus!r}: expected GPU counts like 8,16,32") from None
-    if ns.throughput and ns.img_per_sec_per_gpu:
-        raise UserError("give one of --throughput and --img-per-sec-per-gpu")
-    source = "recipe plan.img_per_s_per_gpu"
-    if ns.throughput:
-        from latentforge.plan.bench import load_bench_throughput
-
-        changes["img_per_s_per_gpu"], source = load_bench_throughput(ns.throughput)
-    elif ns.img_per_sec_per_gpu:
-        changes["img_per_s_per_gpu"] = cost.parse_pairs(ns.img_per_sec_per_gpu, "--img-per-sec-per-gpu")
-        source = "--img-per-sec-per-gpu"
-    if ns.scaling_efficiency:
-        changes["scaling_efficiency"] = cost.parse_pairs(ns.scaling_efficiency, "--scaling-efficiency")
-    for flag, key in (("price", "price_per_gpu_hour"), ("goodput", "goodput"), ("num_images", "num_images"),
-                      ("encode_img_per_sec_per_gpu", "encode_img_per_s_per_gpu")):
-        if getattr(ns, flag) is not None:
-            changes[key] = getattr(ns, flag)
-    cfg = replace(cfg, **changes)
-    cfg.validate()
+    flags = ("gpu", "gpus", "price", "throughput", "img_per_sec_per_gpu", "scaling_efficiency", "goodput",
+             "num_images", "encode_img_per_sec_per_gpu")
+    cfg, source = plan_config(recipe.plan, **{k: getattr(ns, k) for k in flags})
     if ns.memory:
-        print(_plan_memory(ns, recipe, cfg))
-        return
-    for p in recipe_phases(recipe, with_flops=False):  # a missing throughput fails before the FLOP count
-        cost.throughput_at({int(k): v for k, v in cfg.img_per_s_per_gpu.items()}, p.resolution, p.name)
-    phases = recipe_phases(recipe)
-    plans = [cost.plan_run(phases, cfg, n) for n in cfg.gpus]
-    title = f"recipe {recipe.name}, throughput from {source}"
-    print(cost.format_plan(plans, cfg, title))
-    if ns.chart:
-        cost.plot_plans(plans, ns.chart, f"{recipe.name} on {cfg.gpu} (${cfg.price_per_gpu_hour:g}/GPU-hour)")
-        print(f"plan: chart -> {ns.chart}")
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump({"phases": [vars(p) for p in phases], "plans": plans}, f, indent=1)
-
-
-def _plan_memory(ns, recipe, cfg) -> str:
-    from latentforge.plan.cost import GPU_MEMORY_GB
-    from latentforge.plan.memory import MemoryConfig, estimate_memory, format_memory
-    from latentforge.plan.shapes import phase_shapes, unet_for, vae_factor
-
-    shapes = phase_shapes(recipe)[-1]
-    resolution = ns.resolution or shapes.resolution
-    if resolution < 1 or resolution % vae_factor(recipe):
-        raise UserError(f"--resolution {resolution}: must be a positive multiple of the VAE factor {vae_factor(recipe)}")
-    train_micro = recipe.train.micro_batch_size if recipe.train.micro_batch_size != "auto" else 1
-    mem = MemoryConfig(unet=unet_for(recipe, shapes), latent_size=resolution // vae_factor(recipe),
-                       text_len=shapes.text_len, micro_batch_size=ns.micro_batch or train_micro,
-                       precision=ns.precision, parallel=ns.parallel, world_size=ns.world_size,
-                       activation_checkpointing=ns.activation_checkpointing, optimizer=ns.optimizer, ema=ns.ema)
-    if ns.gpu_memory is not None and not ns.gpu_memory > 0:
-        raise UserError(f"--gpu-memory: must be > 0 GB, got {ns.gpu_memory}")
-    gib = ns.gpu_memory or GPU_MEMORY_GB[cfg.gpu]
-    name = f"{ns.gpu_memory:g} GB" if ns.gpu_memory else cfg.gpu
-    return format_memory(mem, estimate_memory(mem), gib, name)
+        setup = ("resolution", "micro_batch", "gpu_memory", "precision", "parallel", "world_size",
+                 "activation_checkpointing", "optimizer", "ema")
+        print(memory_report(recipe, cfg, **{k: getattr(ns, k) for k in setup}))
+    else:
+        print(cost_report(recipe, cfg, source, chart=ns.chart, json_path=ns.json))
 
 
 def cmd_config(ns, overrides):

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from latentforge.errors import ConfigError
-from latentforge.models.unet import UNetConfig, build_unet, unet_diffusers_config
+from latentforge.models.unet import UNetConfig, unet_diffusers_config
 
 GIB = 1 << 30
 FRAGMENTATION = 0.10  # caching-allocator overhead on CUDA, fraction of the modelled bytes
