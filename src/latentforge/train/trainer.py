@@ -395,7 +395,8 @@ class Trainer:
                             per_device = rate / self.world.world_size
                             record["mfu"] = per_device * self.flops_per_image[self.phase] / self.peak_flops
                         self._log(record, history_path)
-                        bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{rate:.0f}")
+                        mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
+                        bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{rate:.0f}", mfu=mfu)
                         t_log, samples_since_log = now, 0
                     end_of_phase = self.step == phase_end
                     out_of_time = (bool(self.cfg.max_seconds) and self.step < self.total_steps
