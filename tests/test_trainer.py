@@ -445,7 +445,7 @@ def test_cli_bad_input_exits_2_with_one_line(latent_data, tmp_path, capsys):
     cfg = run_config(latent_data)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"train": cfg["train"], "loader": cfg["data"]}))
-    for override, start in (("train.micro_batch_size=four", "train.micro_batch_size: expected an integer"),
+    for override, start in (("train.micro_batch_size=four", "train.micro_batch_size: expected an integer or 'auto'"),
                             ("train.nonsense=1", "train.nonsense: unknown key"),
                             ("train.unet.cross_attention_dim=32", "train.unet.cross_attention_dim: 32")):
         code = cli_main(["train", str(tmp_path / "run"), "--recipe", str(recipe), "--quiet", override])

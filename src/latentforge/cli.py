@@ -128,6 +128,35 @@ def cmd_demo(ns, overrides):
     run_demo(recipe, ns.out, progress=not ns.quiet)
 
 
+def cmd_bench(ns, overrides):
+    from latentforge.plan.bench import run_bench
+
+    recipe = _recipe(ns, overrides, {})
+    synthetic = True if ns.synthetic else (False if ns.real_data else None)
+    result = run_bench(recipe, steps=ns.steps, warmup=ns.warmup, synthetic=synthetic, progress=True)
+    with open(ns.out, "w") as f:
+        json.dump(result, f, indent=1)
+    data = ("synthetic batches of the recipe's shapes" + ("" if ns.synthetic else " (its datasets do not exist)")
+            if result["synthetic"] else "the recipe's datasets")
+    print(f"bench: {result['device_name']} {result['precision']}, peak {result['peak_flops'] / 1e12:.3f} TFLOP/s "
+          f"({result['peak_flops_source']}), data: {data}; memory: {result['memory_method']} -> {ns.out}")
+
+
+def cmd_plan(ns, overrides):
+    from latentforge.plan.report import cost_report, memory_report, plan_config
+
+    recipe = _recipe(ns, overrides, {})
+    flags = ("gpu", "gpus", "price", "throughput", "img_per_sec_per_gpu", "scaling_efficiency", "goodput",
+             "num_images", "encode_img_per_sec_per_gpu")
+    cfg, source = plan_config(recipe.plan, **{k: getattr(ns, k) for k in flags})
+    if ns.memory:
+        setup = ("resolution", "micro_batch", "gpu_memory", "precision", "parallel", "world_size",
+                 "activation_checkpointing", "optimizer", "ema")
+        print(memory_report(recipe, cfg, **{k: getattr(ns, k) for k in setup}))
+    else:
+        print(cost_report(recipe, cfg, source, chart=ns.chart, json_path=ns.json))
+
+
 def cmd_config(ns, overrides):
     import yaml
 
@@ -209,6 +238,44 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("demo", cmd_demo, "the end-to-end demo on the built-in dataset (recipe tiny-cpu by default)")
     sp.add_argument("--out", default="runs/demo", help="output directory (default runs/demo); a rerun resumes")
     sp.set_defaults(recipe="tiny-cpu")
+
+    sp = add("bench", cmd_bench, "time the real training step of a recipe on this machine: img/s per device, MFU, "
+             "peak memory; writes JSON that plan --throughput reads")
+    sp.add_argument("--steps", type=int, default=10, help="timed steps per phase (default 10)")
+    sp.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    sp.add_argument("--out", default="bench.json", help="output JSON (default bench.json)")
+    sp.add_argument("--synthetic", action="store_true",
+                    help="random latents and text states of the recipe's shapes (default when its datasets do not exist)")
+    sp.add_argument("--real-data", dest="real_data", action="store_true", help="require the recipe's datasets")
+
+    sp = add("plan", cmd_plan, "GPU-hours, days and cost of a recipe's phases on a cluster (table + PNG chart); "
+             "with --memory, the peak device memory of a set-up and whether it fits")
+    sp.add_argument("--gpus", help="GPU counts, e.g. 8,16,32,64,128,256 (plan.gpus)")
+    sp.add_argument("--gpu", help="GPU type, e.g. a100-80g, h100-sxm (plan.gpu)")
+    sp.add_argument("--price", type=float, help="dollars per GPU-hour (plan.price_per_gpu_hour)")
+    sp.add_argument("--throughput", help="a JSON written by latentforge bench on the target GPU")
+    sp.add_argument("--img-per-sec-per-gpu", dest="img_per_sec_per_gpu",
+                    help="training img/s per GPU by resolution, e.g. 256:137.5,512:36.3")
+    sp.add_argument("--scaling-efficiency", dest="scaling_efficiency",
+                    help="one number, or GPUS:EFFICIENCY points interpolated in log2(GPUs), e.g. 8:1.0,128:0.9")
+    sp.add_argument("--goodput", type=float, help="fraction of paid time that trains, in (0, 1] (default 1.0)")
+    sp.add_argument("--num-images", dest="num_images", type=int, help="distinct images to encode (plan.num_images)")
+    sp.add_argument("--encode-img-per-sec-per-gpu", dest="encode_img_per_sec_per_gpu", type=float,
+                    help="encoding img/s per GPU (default 58.0: MosaicML's 790M images in 3,784 A100-hours)")
+    sp.add_argument("--chart", default="plan.png", help="PNG of days and cost against GPUs (default plan.png; '' = none)")
+    sp.add_argument("--json", help="also write the plan as JSON here")
+    sp.add_argument("--memory", action="store_true", help="predict peak device memory instead of cost")
+    sp.add_argument("--resolution", type=int, help="--memory: image side in px (default: the last phase's)")
+    sp.add_argument("--micro-batch", dest="micro_batch", type=int, help="--memory: micro batch per rank")
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "bf16-weights"],
+                    help="--memory: fp32, bf16 autocast over fp32 weights, or bf16 weights + fp32 master")
+    sp.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp-grad-op", "fsdp-full"], help="--memory")
+    sp.add_argument("--world-size", dest="world_size", type=int, default=1, help="--memory: ranks")
+    sp.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
+                    help="--memory: recompute each U-Net block in the backward pass")
+    sp.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"], help="--memory")
+    sp.add_argument("--ema", default="same", choices=["same", "cpu", "off"], help="--memory: where the EMA lives")
+    sp.add_argument("--gpu-memory", dest="gpu_memory", type=float, help="--memory: device memory in GB (default: --gpu's)")
 
     cfg = sub.add_parser("config", help="show the resolved config of a recipe",
                          description="Print a recipe with its overrides applied and validated.")

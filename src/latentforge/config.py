@@ -46,6 +46,18 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
+def _describe(tp: Any) -> str:
+    """``int | Literal["auto"]`` -> ``an integer or 'auto'``: the accepted values, for messages."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp) if a is not type(None))
+    if origin is Literal:
+        return " or ".join(map(repr, get_args(tp)))
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+             tuple: "a list", dict: "a mapping"}
+    return names.get(origin or tp, "a mapping" if dataclasses.is_dataclass(tp) else _type_name(tp))
+
+
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Check ``value`` against the annotation ``tp`` and return it in canonical form."""
     origin = get_origin(tp)
@@ -63,7 +75,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, arg, path)
             except ConfigError as e:
                 errors.append(e)
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{path}: expected {_describe(tp)}, got {value!r}")
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices:

@@ -220,8 +220,10 @@ def _export_and_check(recipe: Any, out: Path, comps: Any) -> dict[str, Any]:
 def _train_stats(run: Path) -> dict[str, Any]:
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
     rates = [h["img_per_s"] for h in history[1:]] or [h["img_per_s"] for h in history]
+    mfus = [h["mfu"] for h in history[1:] if "mfu" in h] or [h["mfu"] for h in history if "mfu" in h]
     return {"steps": history[-1]["step"], "final_loss": history[-1]["loss"],
-            "median_img_per_s": float(np.median(rates)), "samples_seen": history[-1]["samples_seen"]}
+            "median_img_per_s": float(np.median(rates)), "samples_seen": history[-1]["samples_seen"],
+            "median_mfu": float(np.median(mfus)) if mfus else None}
 
 
 def _options(recipe: Any, enc_cfg: Any) -> dict[str, Any]:

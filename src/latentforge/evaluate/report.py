@@ -70,7 +70,8 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         "",
         "## Training",
         "",
-        f"- U-Net: {tr['steps']} steps, {tr['samples_seen']} samples, median {tr['median_img_per_s']:.0f} img/s, "
+        f"- U-Net: {tr['steps']} steps, {tr['samples_seen']} samples, median {tr['median_img_per_s']:.0f} img/s"
+        f"{_mfu(tr.get('median_mfu'))}, "
         f"final loss {tr['final_loss']:.4f}",
         f"- VAE: {vae['steps']} steps in {vae['train_seconds']} s, held-out PSNR {vae['heldout_psnr']:.2f} dB, "
         f"scaling factor {vae['scaling_factor']:.4f} (1 / latent std, stored in the VAE config)",
@@ -95,3 +96,7 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _mfu(mfu: float | None) -> str:
+    return "" if mfu is None else f" (MFU {100 * mfu:.1f}% of the device peak)"

@@ -118,10 +118,14 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     run = Path(run_dir)
     tcfg = cfg.train
     meta = latent_meta(tcfg)
-    phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
     unet_cfg = resolve_unet_config(tcfg.unet, meta)
     tcfg = replace(tcfg, unet=unet_cfg)
     device = pick_device(tcfg.device)
+    if tcfg.micro_batch_size == "auto":
+        from latentforge.plan.memory import resolve_auto_micro_batch
+
+        tcfg = resolve_auto_micro_batch(tcfg, [_phase_latent_shape(p) for p in tcfg.phases], device, world.world_size)
+    phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
     resume_from = ckpt.resolve_resume(run, resume)
     if world.is_main:
         run.mkdir(parents=True, exist_ok=True)
@@ -166,15 +170,19 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
                             f"({TRAIN_CONFIG}); use a new run directory or restore the setting")
 
 
+def _phase_latent_shape(phase) -> tuple[int, int]:
+    """(latent side, caption tokens) of a phase's first dataset."""
+    index = read_index(phase.datasets[0].path)
+    return parse_ndarray(index.columns["latent_mean"])[1][1], parse_ndarray(index.columns["text_hidden"])[1][0]
+
+
 def _flops_and_peak(cfg: TrainConfig, device: torch.device) -> tuple[list[float], float]:
     """Model FLOPs per training image of each phase (its latent size) and the device's peak."""
     from latentforge.plan.flops import device_peak_flops, train_flops_per_image
 
     flops = []
     for phase in cfg.phases:
-        index = read_index(phase.datasets[0].path)
-        _, size, _ = parse_ndarray(index.columns["latent_mean"])[1]
-        text_len = parse_ndarray(index.columns["text_hidden"])[1][0]
+        size, text_len = _phase_latent_shape(phase)
         flops.append(float(train_flops_per_image(cfg.unet, size, text_len)))
     precision = "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda") else "fp32"
     peak, _ = device_peak_flops(device, precision)

@@ -100,7 +100,9 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "AdamW and the LR schedule"})
     ema: EMAConfig | None = field(default_factory=EMAConfig, metadata={"help": "EMA of the U-Net; null = off"})
     phases: list[PhaseConfig] = field(default_factory=list, metadata={"help": "the phases, run in order"})
-    micro_batch_size: int = field(default=8, metadata={"help": "samples per rank per forward pass"})
+    micro_batch_size: int | Literal["auto"] = field(default=8, metadata={
+        "help": "samples per rank per forward pass; auto = the largest that fits in the device's memory (memory "
+                "planner), the global batch kept by accumulation"})
     global_batch_size: int = field(default=0, metadata={
         "help": "samples per optimizer step = micro batch x accumulation x world size; 0 = micro x world"})
     precision: Literal["auto", "fp32", "bf16"] = field(default="auto", metadata={
@@ -120,7 +122,10 @@ class TrainConfig:
                                                                       metadata={"help": "metric loggers"})
 
     def validate(self) -> None:
-        if self.micro_batch_size < 1:
+        if self.micro_batch_size == "auto":
+            if not self.global_batch_size and not all(p.global_batch_size for p in self.phases):
+                raise ConfigError("micro_batch_size: auto keeps the global batch by accumulation: set global_batch_size")
+        elif self.micro_batch_size < 1:
             raise ConfigError("micro_batch_size: must be >= 1")
         if self.global_batch_size < 0:
             raise ConfigError("global_batch_size: must be >= 0 (0 = micro batch x world size)")
@@ -391,7 +396,8 @@ class Trainer:
                             per_device = rate / self.world.world_size
                             record["mfu"] = per_device * self.flops_per_image[self.phase] / self.peak_flops
                         self._log(record, history_path)
-                        bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{rate:.0f}")
+                        mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
+                        bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{rate:.0f}", mfu=mfu)
                         t_log, samples_since_log = now, 0
                     end_of_phase = self.step == phase_end
                     out_of_time = (bool(self.cfg.max_seconds) and self.step < self.total_steps

@@ -1,0 +1,335 @@
+"""Peak device memory of a U-Net training step, and the largest micro batch that fits.
+
+The peak is the sum of what lives across a step once gradients are being accumulated (the
+second micro batch of an accumulating step holds all of it at once)::
+
+    weights + autocast weight copies + gradients (+ DDP buckets) + optimizer + EMA + activations
+    (+ one gathered FSDP unit, twice for prefetch)
+
+Bytes per parameter (N parameters, W ranks; FSDP ``grad-op`` = SHARD_GRAD_OP/ZeRO-2 divides
+gradients and optimizer state by W, ``full`` = FULL_SHARD/ZeRO-3 also the weights and the EMA):
+
+=============  =======================================  =========================================
+precision      weights                                  gradients / optimizer
+=============  =======================================  =========================================
+fp32           4                                        4 / AdamW 8 (two fp32 moments), 8-bit 2
+bf16           4 fp32 + 2 (autocast's bf16 copies,      4 / as fp32
+               kept for the backward pass)
+bf16-weights   2 (bf16 parameters)                      2 / + 4 for the fp32 master copy
+=============  =======================================  =========================================
+
+EMA: 4 B/param on the device (``same``; 8 with bf16 weights, which need an fp32 staging copy),
+0 in CPU memory (``cpu``) or without EMA (``off``). DDP with more than one rank keeps its
+gradient buckets next to the gradients (``gradient_as_bucket_view=False``, the default): +grads.
+
+Activations are *measured*, not guessed: one forward pass of the U-Net on the meta device (no
+memory used) with a ``saved_tensors_hooks`` that adds up the distinct storages autograd keeps
+for the backward pass, per image. Two stand-ins make the meta pass behave like a GPU: bf16
+autocast is emulated by a ``TorchFunctionMode`` (convolutions, linears and matmuls in bf16;
+group/layer norm and softmax in fp32, as autocast's CUDA policy does; weight casts cached once
+per step), and attention is counted as a fused kernel (flash / memory-efficient on CUDA, the
+flash kernel on CPU): it keeps q, k, v, the output and the log-sum-exp, never the L x L scores.
+With activation checkpointing per U-Net block (each down, mid and up block recomputed in the
+backward pass) the activations are the block inputs, what lies outside the blocks, and the
+largest block's own activations during its recomputation.
+
+On a GPU the planner adds an allowance it does not model: the caching allocator's fragmentation
+(+10% of the above) and 1 GiB for the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers.
+Device sizes are the marketing "GB", which are GiB on these cards (an "80 GB" A100 has 80 GiB).
+The error measured against real steps on CPU is in docs/planning.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from latentforge.errors import ConfigError
+from latentforge.models.unet import UNetConfig, unet_diffusers_config
+
+GIB = 1 << 30
+FRAGMENTATION = 0.10  # caching-allocator overhead on CUDA, fraction of the modelled bytes
+CUDA_CONTEXT_BYTES = 1 * GIB  # context + library workspaces + NCCL, outside max_memory_allocated
+
+
+@dataclass
+class MemoryConfig:
+    """One training set-up whose peak device memory is predicted."""
+
+    unet: UNetConfig = field(default_factory=lambda: UNetConfig(preset="sd2-base"), metadata={"help": "the U-Net"})
+    latent_size: int = field(default=64, metadata={"help": "latent side (image side / VAE factor)"})
+    text_len: int = field(default=77, metadata={"help": "caption tokens"})
+    micro_batch_size: int = field(default=1, metadata={"help": "samples per rank per forward pass"})
+    precision: Literal["fp32", "bf16", "bf16-weights"] = field(default="bf16", metadata={
+        "help": "fp32; bf16 = autocast over fp32 weights (train's bf16); bf16-weights = bf16 parameters + fp32 master"})
+    parallel: Literal["ddp", "fsdp-grad-op", "fsdp-full"] = field(default="ddp", metadata={
+        "help": "ddp (replicated), fsdp-grad-op (grads + optimizer sharded), fsdp-full (weights too)"})
+    world_size: int = field(default=1, metadata={"help": "ranks the model is replicated or sharded over"})
+    activation_checkpointing: bool = field(default=False, metadata={"help": "recompute each U-Net block"})
+    optimizer: Literal["adamw", "adamw8bit"] = field(default="adamw", metadata={"help": "AdamW or 8-bit AdamW"})
+    ema: Literal["same", "cpu", "off"] = field(default="same", metadata={"help": "where the EMA lives"})
+
+    def validate(self) -> None:
+        for name in ("latent_size", "text_len", "micro_batch_size", "world_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+class _GPUStandIns(TorchFunctionMode):
+    """On the meta device: bf16 autocast as on CUDA (if ``dtype``), and fused attention."""
+
+    LOW = {F.linear, F.conv2d, torch.matmul, torch.bmm, torch.baddbmm, torch.mm, torch.addmm, torch.Tensor.matmul,
+           torch.Tensor.__matmul__}
+    FP32 = {F.group_norm, F.layer_norm, F.softmax, torch.softmax, torch.Tensor.softmax}
+
+    def __init__(self, dtype: torch.dtype | None):
+        super().__init__()
+        self.dtype = dtype
+        self.weight_copies: dict[int, torch.Tensor] = {}  # id(parameter) -> its cached low-precision copy
+
+    def _cast(self, x: Any, dtype: torch.dtype) -> Any:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == dtype:
+            return x
+        if isinstance(x, torch.nn.Parameter):
+            if id(x) not in self.weight_copies:
+                self.weight_copies[id(x)] = x.to(dtype)
+            return self.weight_copies[id(x)]
+        return x.to(dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = (self._cast(t, self.dtype) if self.dtype else t for t in args[:3])
+            return _FusedAttention.apply(q, k, v)
+        if self.dtype is not None and func in self.LOW:
+            args = tuple(self._cast(a, self.dtype) for a in args)
+            kwargs = {k: self._cast(v, self.dtype) for k, v in kwargs.items()}
+        elif self.dtype is not None and func in self.FP32:
+            args = tuple(self._cast(a, torch.float32) for a in args)
+        return func(*args, **kwargs)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel keeps for its backward pass: q, k, v, out, log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = q.new_empty(*q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the pass is on the meta device and only counted
+        raise NotImplementedError
+
+
+@lru_cache(maxsize=64)
+def _activation_profile(unet_json: str, latent_size: int, text_len: int, precision: str) -> dict[str, int]:
+    """Saved-activation bytes of one image through the U-Net (see the module docstring)."""
+    unet_kwargs = json.loads(unet_json)
+    from diffusers import UNet2DConditionModel
+
+    param_dtype = torch.bfloat16 if precision == "bf16-weights" else torch.float32
+    with torch.device("meta"):
+        model = UNet2DConditionModel(**unet_kwargs)
+        if param_dtype != torch.float32:
+            torch.nn.Module.to(model, param_dtype)  # diffusers' own .to warns about fp32 modules it has none of
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        saved: dict[int, int] = {}
+        mode = _GPUStandIns(torch.bfloat16 if precision == "bf16" else None)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = t.untyped_storage()._cdata
+            if key not in params and key not in saved:
+                saved[key] = t.untyped_storage().nbytes()
+            return t
+
+        blocks = [*model.down_blocks, model.mid_block, *model.up_blocks]
+        block_keys: list[list[int]] = []
+        inputs: dict[int, int] = {}
+        marks: list[int] = []
+
+        def pre(_module, args, kwargs):
+            marks.append(len(saved))
+            for t in [*args, *kwargs.values()]:
+                for x in (t if isinstance(t, tuple) else (t,)):
+                    if isinstance(x, torch.Tensor):
+                        inputs.setdefault(x.untyped_storage()._cdata, x.untyped_storage().nbytes())
+
+        def post(_module, _args, _kwargs, _out):
+            block_keys.append(list(saved)[marks.pop():])  # saved keeps insertion order
+
+        handles = [h for b in blocks for h in (b.register_forward_pre_hook(pre, with_kwargs=True),
+                                               b.register_forward_hook(post, with_kwargs=True))]
+        x = torch.empty(1, unet_kwargs["in_channels"], latent_size, latent_size)
+        hidden = torch.empty(1, text_len, unet_kwargs["cross_attention_dim"])
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            out = model(x.to(param_dtype), torch.tensor([1]), encoder_hidden_states=hidden.to(param_dtype)).sample
+        for h in handles:
+            h.remove()
+        copies = {c.untyped_storage()._cdata: c.untyped_storage().nbytes() for c in mode.weight_copies.values()}
+        total = sum(v for k, v in saved.items() if k not in copies)
+        block_bytes = [sum(saved[k] for k in keys if k not in copies) for keys in block_keys]
+        outside = total - sum(block_bytes)
+        checkpointed = outside + sum(v for k, v in inputs.items() if k not in copies) + max(block_bytes)
+        del out
+    return {"activations": total, "activations_checkpointed": min(total, checkpointed),
+            "weight_copies": sum(copies.values())}
+
+
+def activation_profile(unet: UNetConfig, latent_size: int, text_len: int, precision: str) -> dict[str, int]:
+    return _activation_profile(json.dumps(unet_diffusers_config(unet), sort_keys=True), latent_size, text_len,
+                               precision)
+
+
+@lru_cache(maxsize=64)
+def _param_counts(unet_json: str) -> tuple[int, int]:
+    """(parameters, parameters of the largest down/mid/up block) of a U-Net, on the meta device."""
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        model = UNet2DConditionModel(**json.loads(unet_json))
+    blocks = [*model.down_blocks, model.mid_block, *model.up_blocks]
+    return (sum(p.numel() for p in model.parameters()),
+            max(sum(p.numel() for p in b.parameters()) for b in blocks))
+
+
+def estimate_memory(cfg: MemoryConfig) -> dict[str, Any]:
+    """The peak memory breakdown of ``cfg`` in bytes (see the module docstring); ``total`` is their
+    sum, what ``torch.cuda.max_memory_allocated`` would show."""
+    cfg.validate()
+    n, largest_block = _param_counts(json.dumps(unet_diffusers_config(cfg.unet), sort_keys=True))
+    w = cfg.world_size
+    shard_grads = cfg.parallel in ("fsdp-grad-op", "fsdp-full") and w > 1
+    shard_params = cfg.parallel == "fsdp-full" and w > 1
+    param_bytes = 2 if cfg.precision == "bf16-weights" else 4
+    grad_bytes = param_bytes
+    opt_bytes = (8 if cfg.optimizer == "adamw" else 2) + (4 if cfg.precision == "bf16-weights" else 0)
+    ema_bytes = {"same": 4 + (4 if cfg.precision == "bf16-weights" else 0), "cpu": 0, "off": 0}[cfg.ema]
+    prof = activation_profile(cfg.unet, cfg.latent_size, cfg.text_len, cfg.precision)
+    act = prof["activations_checkpointed" if cfg.activation_checkpointing else "activations"]
+    out = {
+        "weights": n * param_bytes / (w if shard_params else 1),
+        "weight_copies": prof["weight_copies"] / (w if shard_params else 1),
+        "gradients": n * grad_bytes / (w if shard_grads else 1),
+        "ddp_buckets": n * grad_bytes if cfg.parallel == "ddp" and w > 1 else 0,
+        "optimizer": n * opt_bytes / (w if shard_grads else 1),
+        "ema": n * ema_bytes / (w if shard_params else 1),
+        "activations": act * cfg.micro_batch_size,
+        # FULL_SHARD gathers one block's full weights at a time, and prefetches the next.
+        "fsdp_gather": 2 * largest_block * param_bytes if shard_params else 0,
+    }
+    out = {k: int(v) for k, v in out.items()}
+    out["total"] = sum(out.values())
+    out["parameters"] = n
+    out["activations_per_sample"] = act
+    return out
+
+
+def device_bytes_needed(total: int) -> int:
+    """What a CUDA device must have free for a step whose modelled peak is ``total`` bytes."""
+    return int(total * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
+
+
+def largest_micro_batch(cfg: MemoryConfig, device_bytes: int, divides: int = 0, limit: int = 4096,
+                        allowance: bool = True) -> int:
+    """The largest micro batch whose predicted peak fits in ``device_bytes`` (0 if none does);
+    with ``divides`` > 0 only micro batches dividing it (the per-rank share of the global batch)."""
+    best = 0
+    for m in range(1, (divides or limit) + 1):
+        if divides and divides % m:
+            continue
+        total = estimate_memory(replace(cfg, micro_batch_size=m))["total"]
+        if (device_bytes_needed(total) if allowance else total) > device_bytes:
+            break
+        best = m
+    return best
+
+
+def format_memory(cfg: MemoryConfig, est: dict[str, Any], device_gib: float | None, device_name: str) -> str:
+    def gib(b: float) -> str:
+        return f"{b / GIB:8.2f} GiB"
+
+    lines = [f"memory: U-Net {cfg.unet.preset} ({est['parameters']:,} parameters), latents {cfg.latent_size}x"
+             f"{cfg.latent_size}, micro batch {cfg.micro_batch_size}, {cfg.precision}, {cfg.parallel} x "
+             f"{cfg.world_size}, activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
+             f"{cfg.optimizer}, EMA {cfg.ema}"]
+    for key in ("weights", "weight_copies", "gradients", "ddp_buckets", "optimizer", "ema", "activations",
+                "fsdp_gather"):
+        if est[key]:
+            lines.append(f"  {key:14s} {gib(est[key])}")
+    lines.append(f"  {'total':14s} {gib(est['total'])}  (max_memory_allocated)")
+    need = device_bytes_needed(est["total"])
+    lines.append(f"  {'+ allowance':14s} {gib(need - est['total'])}  (10% fragmentation + 1 GiB CUDA context)")
+    if device_gib:
+        verdict = "fits" if need <= device_gib * GIB else "does NOT fit"
+        lines.append(f"  needs {need / GIB:.2f} GiB: {verdict} in {device_name} ({device_gib:g} GiB)")
+        best = largest_micro_batch(cfg, int(device_gib * GIB))
+        lines.append(f"  largest micro batch that fits: {best}")
+    return "\n".join(lines)
+
+
+def device_memory_budget(device: torch.device) -> tuple[int, bool, str]:
+    """(bytes the training step may use, whether the CUDA allowance applies, how it was found).
+    CUDA: the device's total memory. CPU: half of MemAvailable, leaving the rest to the loader
+    workers, the page cache and other processes."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return total, True, f"CUDA device total memory {total / GIB:.1f} GiB"
+    available = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if not available:
+        from latentforge.errors import UserError
+
+        raise UserError("train.micro_batch_size: auto cannot read the available memory (/proc/meminfo) on this "
+                        "CPU: set a number")
+    return available // 2, False, f"half of the available RAM ({available / GIB:.1f} GiB)"
+
+
+def resolve_auto_micro_batch(cfg, latent_shapes: list[tuple[int, int]], device: torch.device, world_size: int,
+                             budget: tuple[int, bool, str] | None = None):
+    """``cfg`` (a TrainConfig with ``micro_batch_size: auto``) with each phase's micro batch set to
+    the largest that fits ``budget`` (default :func:`device_memory_budget`) and divides the
+    phase's per-rank global batch, so the global batch is kept by gradient accumulation.
+    ``latent_shapes``: (latent side, caption tokens) per phase."""
+    import logging
+
+    from latentforge.errors import UserError
+
+    device_bytes, allowance, how = budget or device_memory_budget(device)
+    autocast = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    ema = "off" if cfg.ema is None else cfg.ema.device
+    phases = []
+    for i, (p, (size, text_len)) in enumerate(zip(cfg.phases, latent_shapes)):
+        if p.micro_batch_size:
+            phases.append(p)
+            continue
+        global_ = p.global_batch_size or cfg.global_batch_size
+        if global_ % world_size:
+            raise ConfigError(f"train.global_batch_size: {global_} is not divisible by the world size {world_size}")
+        mem = MemoryConfig(unet=cfg.unet, latent_size=size, text_len=text_len, precision="bf16" if autocast else "fp32",
+                           parallel="ddp", world_size=world_size, optimizer="adamw", ema=ema)
+        micro = largest_micro_batch(mem, device_bytes, divides=global_ // world_size, allowance=allowance)
+        if not micro:
+            raise UserError(f"train.micro_batch_size: auto: not even a micro batch of 1 fits in {how} for phase {i} "
+                            f"({size}x{size} latents); see latentforge plan --memory")
+        peak = estimate_memory(replace(mem, micro_batch_size=micro))["total"]
+        logging.getLogger(__name__).warning(
+            "micro_batch_size auto, phase %d: %d per rank x %d accumulation x %d ranks = global batch %d "
+            "(predicted peak %.2f GiB of %s)", i, micro, global_ // world_size // micro, world_size, global_,
+            peak / GIB, how)
+        phases.append(replace(p, micro_batch_size=micro))
+    return replace(cfg, phases=phases, micro_batch_size=min(p.micro_batch_size for p in phases))

@@ -1,0 +1,90 @@
+"""``latentforge plan``: a recipe's plan settings with the command line's on top, rendered as the
+cost table and chart or as the memory breakdown."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from latentforge.errors import UserError
+from latentforge.plan import cost
+
+if TYPE_CHECKING:
+    from latentforge.recipe import Recipe
+
+
+def plan_config(cfg: cost.PlanConfig, *, gpu: str | None = None, gpus: str | None = None,
+                price: float | None = None, throughput: str | None = None, img_per_sec_per_gpu: str | None = None,
+                scaling_efficiency: str | None = None, goodput: float | None = None, num_images: int | None = None,
+                encode_img_per_sec_per_gpu: float | None = None) -> tuple[cost.PlanConfig, str]:
+    """``cfg`` with the flags given (None = keep) applied and validated, and where the training
+    throughputs came from."""
+    changes: dict = {}
+    if gpu:
+        changes["gpu"] = cost.check_gpu(gpu)
+    if gpus:
+        try:
+            changes["gpus"] = [int(x) for x in gpus.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--gpus {gpus!r}: expected GPU counts like 8,16,32") from None
+    if throughput and img_per_sec_per_gpu:
+        raise UserError("give one of --throughput and --img-per-sec-per-gpu")
+    source = "recipe plan.img_per_s_per_gpu"
+    if throughput:
+        from latentforge.plan.bench import load_bench_throughput
+
+        changes["img_per_s_per_gpu"], source = load_bench_throughput(throughput)
+    elif img_per_sec_per_gpu:
+        changes["img_per_s_per_gpu"] = cost.parse_pairs(img_per_sec_per_gpu, "--img-per-sec-per-gpu")
+        source = "--img-per-sec-per-gpu"
+    if scaling_efficiency:
+        changes["scaling_efficiency"] = cost.parse_pairs(scaling_efficiency, "--scaling-efficiency")
+    for key, value in (("price_per_gpu_hour", price), ("goodput", goodput), ("num_images", num_images),
+                       ("encode_img_per_s_per_gpu", encode_img_per_sec_per_gpu)):
+        if value is not None:
+            changes[key] = value
+    cfg = replace(cfg, **changes)
+    cfg.validate()
+    return cfg, source
+
+
+def cost_report(recipe: "Recipe", cfg: cost.PlanConfig, source: str, chart: str = "", json_path: str = "") -> str:
+    """The cost table of ``recipe`` for every GPU count of ``cfg``; the chart and JSON if asked."""
+    from latentforge.plan.shapes import recipe_phases
+
+    for p in recipe_phases(recipe, with_flops=False):  # a missing throughput fails before the FLOP count
+        cost.throughput_at({int(k): v for k, v in cfg.img_per_s_per_gpu.items()}, p.resolution, p.name)
+    phases = recipe_phases(recipe)
+    plans = [cost.plan_run(phases, cfg, n) for n in cfg.gpus]
+    text = cost.format_plan(plans, cfg, f"recipe {recipe.name}, throughput from {source}")
+    if chart:
+        cost.plot_plans(plans, chart, f"{recipe.name} on {cfg.gpu} (${cfg.price_per_gpu_hour:g}/GPU-hour)")
+        text += f"\nplan: chart -> {chart}"
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"phases": [vars(p) for p in phases], "plans": plans}, f, indent=1)
+    return text
+
+
+def memory_report(recipe: "Recipe", cfg: cost.PlanConfig, *, resolution: int | None = None,
+                  micro_batch: int | None = None, gpu_memory: float | None = None, **setup) -> str:
+    """The memory breakdown of ``recipe``'s U-Net at ``resolution`` (default: its last phase's) for
+    the set-up ``setup`` (MemoryConfig fields), and whether it fits ``gpu_memory`` GB (default:
+    the memory of ``cfg.gpu``)."""
+    from latentforge.plan.memory import MemoryConfig, estimate_memory, format_memory
+    from latentforge.plan.shapes import phase_shapes, unet_for, vae_factor
+
+    shapes = phase_shapes(recipe)[-1]
+    factor = vae_factor(recipe)
+    resolution = resolution or shapes.resolution
+    if resolution < 1 or resolution % factor:
+        raise UserError(f"--resolution {resolution}: must be a positive multiple of the VAE factor {factor}")
+    if gpu_memory is not None and not gpu_memory > 0:
+        raise UserError(f"--gpu-memory: must be > 0 GB, got {gpu_memory}")
+    train_micro = recipe.train.micro_batch_size if recipe.train.micro_batch_size != "auto" else 1
+    mem = MemoryConfig(unet=unet_for(recipe, shapes), latent_size=resolution // factor, text_len=shapes.text_len,
+                       micro_batch_size=micro_batch or train_micro, **setup)
+    mem.validate()
+    name = f"{gpu_memory:g} GB" if gpu_memory else cfg.gpu
+    return format_memory(mem, estimate_memory(mem), gpu_memory or cost.GPU_MEMORY_GB[cfg.gpu], name)

@@ -1,0 +1,154 @@
+"""The memory planner: its breakdown, its scaling with ranks, a measured step on CPU, and
+``micro_batch_size: auto``; ``latentforge bench`` writes what ``plan`` reads."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import latentforge
+from latentforge.cli import main
+from latentforge.models.unet import UNetConfig, unet_num_params
+from latentforge.plan.memory import (GIB, MemoryConfig, device_bytes_needed, estimate_memory, largest_micro_batch,
+                                     resolve_auto_micro_batch)
+from latentforge.train.trainer import PhaseConfig, TrainConfig, phase_batches
+from latent_fixtures import latent_data  # noqa: F401  (session fixture)
+
+PARTS = ("weights", "weight_copies", "gradients", "ddp_buckets", "optimizer", "ema", "activations", "fsdp_gather")
+SMALL = UNetConfig(preset="small")
+
+
+def test_breakdown_sums_and_bytes_per_parameter():
+    n = unet_num_params(SMALL)
+    fp32 = estimate_memory(MemoryConfig(unet=SMALL, latent_size=16, precision="fp32", micro_batch_size=2))
+    assert fp32["total"] == sum(fp32[k] for k in PARTS) and fp32["parameters"] == n
+    assert (fp32["weights"], fp32["gradients"], fp32["optimizer"], fp32["ema"]) == (4 * n, 4 * n, 8 * n, 4 * n)
+    assert fp32["weight_copies"] == 0 and fp32["activations"] == 2 * fp32["activations_per_sample"]
+    bf16 = estimate_memory(MemoryConfig(unet=SMALL, latent_size=16, precision="bf16", micro_batch_size=2))
+    assert bf16["weight_copies"] == pytest.approx(2 * n, rel=0.01)  # autocast's bf16 copy of every weight
+    assert bf16["activations"] < fp32["activations"]
+    pure = estimate_memory(MemoryConfig(unet=SMALL, latent_size=16, precision="bf16-weights", optimizer="adamw8bit",
+                                        ema="cpu"))
+    assert (pure["weights"], pure["gradients"], pure["optimizer"], pure["ema"]) == (2 * n, 2 * n, 6 * n, 0)
+    ckpt = estimate_memory(MemoryConfig(unet=SMALL, latent_size=16, precision="fp32", activation_checkpointing=True))
+    assert 0 < ckpt["activations_per_sample"] < 0.6 * fp32["activations_per_sample"]
+    # activations grow with the latent area (most of them are full-resolution feature maps)
+    big = estimate_memory(MemoryConfig(unet=SMALL, latent_size=32, precision="fp32"))
+    assert 3.0 < big["activations_per_sample"] / fp32["activations_per_sample"] < 5.0
+
+
+def test_fsdp_and_world_size_scaling():
+    base = MemoryConfig(unet=SMALL, latent_size=16, precision="fp32", micro_batch_size=4)
+    one = estimate_memory(base)
+    ddp = estimate_memory(replace(base, world_size=8))
+    assert ddp["ddp_buckets"] == ddp["gradients"] == one["gradients"] and ddp["weights"] == one["weights"]
+    zero2 = estimate_memory(replace(base, parallel="fsdp-grad-op", world_size=8))
+    assert zero2["gradients"] == one["gradients"] // 8 and zero2["optimizer"] == one["optimizer"] // 8
+    assert zero2["weights"] == one["weights"] and zero2["ddp_buckets"] == 0
+    zero3 = estimate_memory(replace(base, parallel="fsdp-full", world_size=8))
+    assert zero3["weights"] == one["weights"] // 8 and zero3["ema"] == one["ema"] // 8
+    assert 0 < zero3["fsdp_gather"] < one["weights"]  # two blocks' weights, not the whole model
+    assert zero3["activations"] == one["activations"]  # data parallel: activations are per rank
+    assert zero3["total"] < zero2["total"] < one["total"] < ddp["total"]
+
+
+def test_sd2_base_fits_where_expected_and_the_largest_micro_batch():
+    sd2 = MemoryConfig(unet=UNetConfig(preset="sd2-base"), latent_size=64, precision="bf16")
+    est = estimate_memory(sd2)
+    assert 17 * GIB < est["total"] - est["activations"] < 19 * GIB  # 866M params x (4+2+4+8+4) B
+    assert device_bytes_needed(est["total"]) < 40 * GIB
+    assert device_bytes_needed(est["total"]) > 16 * GIB  # full AdamW + EMA does not fit a 16 GB card
+    m80 = largest_micro_batch(sd2, 80 * GIB)
+    assert m80 > largest_micro_batch(sd2, 40 * GIB) > 1
+    assert device_bytes_needed(estimate_memory(replace(sd2, micro_batch_size=m80))["total"]) <= 80 * GIB
+    assert device_bytes_needed(estimate_memory(replace(sd2, micro_batch_size=m80 + 1))["total"]) > 80 * GIB
+
+
+def test_plan_memory_cli(capsys):
+    assert main(["plan", "--memory", "--recipe", "sd2-base", "--resolution", "512", "--micro-batch", "4",
+                 "--gpu-memory", "24", "--optimizer", "adamw8bit", "--ema", "cpu", "--activation-checkpointing",
+                 "--precision", "bf16", "--chart", ""]) == 0
+    out = capsys.readouterr().out
+    assert "weights" in out and "activations" in out and "fits in 24 GB" in out and "largest micro batch" in out
+    assert main(["plan", "--memory", "--recipe", "sd2-base", "--gpu-memory", "8", "--micro-batch", "8"]) == 0
+    assert "does NOT fit in 8 GB" in capsys.readouterr().out
+
+
+def test_auto_micro_batch_keeps_the_global_batch():
+    cfg = TrainConfig(unet=UNetConfig(preset="tiny"), micro_batch_size="auto", global_batch_size=32, ema=None,
+                      phases=[PhaseConfig(steps=1, datasets=[])])
+    cfg.validate()
+    mem = MemoryConfig(unet=cfg.unet, latent_size=8, text_len=8, precision="fp32", ema="off")
+    # room for a micro batch of 5 but not 6: the largest divisor of 32 below that is 4
+    budget = (estimate_memory(replace(mem, micro_batch_size=5))["total"], False, "test budget")
+    out = resolve_auto_micro_batch(cfg, [(8, 8)], torch.device("cpu"), 1, budget=budget)
+    assert out.phases[0].micro_batch_size == 4 and out.micro_batch_size == 4
+    assert phase_batches(out, 1) == [(4, 8, 32)]  # 4 x 8 accumulation x 1 rank = 32
+    two_ranks = resolve_auto_micro_batch(cfg, [(8, 8)], torch.device("cpu"), 2, budget=budget)
+    (micro, accum, global_), = phase_batches(two_ranks, 2)
+    assert micro * accum * 2 == global_ == 32 and micro <= 4  # DDP's gradient buckets need room too
+    with pytest.raises(Exception, match="global_batch_size"):
+        TrainConfig(micro_batch_size="auto", phases=[PhaseConfig(steps=1)]).validate()
+
+
+def _run(args, cwd):
+    src = str(Path(latentforge.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "latentforge", *args], capture_output=True, text=True, cwd=cwd, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_bench_writes_json_that_plan_reads_and_the_planner_matches_the_measured_memory(tmp_path, monkeypatch, capsys):
+    # The tiny preset on 16x16 latents, micro batch 64, fp32, EMA on: a fresh process, so the RSS
+    # high-water mark is this run's alone. Its datasets do not exist: bench uses synthetic batches.
+    tiny = ["train.unet.block_out_channels=null", "train.unet.attention_head_dim=null",
+            "train.unet.norm_num_groups=null", "train.unet.down_block_types=null", "train.unet.up_block_types=null"]
+    out = _run(["bench", "--recipe", "tiny-cpu", "--steps", "1", "--warmup", "0", "--out", "bench.json",
+                "train.micro_batch_size=64", *tiny], tmp_path)
+    assert "synthetic" in out and "MFU" in out
+    data = json.loads((tmp_path / "bench.json").read_text())
+    row = data["phases"][0]
+    assert data["synthetic"] and row["latent_size"] == 16 and row["img_per_s_per_device"] > 0 and row["mfu"] > 0
+    pred, allocated, rss = row["predicted_memory_bytes"], row["peak_memory_bytes"], row["peak_rss_bytes"]
+    print(f"memory planner vs measured, tiny preset, micro batch 64: predicted {pred / 2**20:.1f} MiB, live tensors "
+          f"{allocated / 2**20:.1f} MiB ({100 * (pred / allocated - 1):+.0f}%), RSS {rss / 2**20:.1f} MiB "
+          f"({100 * (pred / rss - 1):+.0f}%)")
+    assert abs(pred / allocated - 1) < 0.2
+    # The RSS adds about 60 MiB of allocator and library buffers the planner does not model: a
+    # large share at this size (measured -33%), a small one for the small preset (-2%).
+    assert abs(pred / rss - 1) < 0.45
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--recipe", "tiny-cpu", "--throughput", "bench.json", "--gpus", "1,2", "--gpu", "t4",
+                 "--chart", "", "train.global_batch_size=64"]) == 0
+    plan = capsys.readouterr().out
+    assert "measured by bench on cpu" in plan and "shapes-32px" in plan
+
+
+def test_train_with_auto_micro_batch_accumulates_to_the_global_batch(latent_data, tmp_path, monkeypatch, caplog):
+    from latentforge.config import from_dict, load_config
+    from latentforge.plan import memory
+    from latentforge.train.run import TRAIN_CONFIG, RunConfig, train
+
+    text_len = 8  # latent_fixtures.TEXT_LEN
+    unet = UNetConfig(preset="tiny", in_channels=4, out_channels=4, cross_attention_dim=16)
+    fits_four = estimate_memory(MemoryConfig(unet=unet, latent_size=8, text_len=text_len, micro_batch_size=4,
+                                             precision="fp32", ema="off"))["total"]
+    monkeypatch.setattr(memory, "device_memory_budget", lambda device: (fits_four, False, "a test budget"))
+    cfg = from_dict(RunConfig, {
+        "train": {"unet": {"preset": "tiny"}, "ema": None, "micro_batch_size": "auto", "global_batch_size": 16,
+                  "phases": [{"datasets": [{"path": str(latent_data["latent16"])}], "steps": 2}],
+                  "loggers": [], "log_every": 1},
+        "data": {"num_workers": 0, "cache_dir": str(latent_data["cache"])}})
+    with caplog.at_level("WARNING", logger="latentforge.plan.memory"):
+        summary = train(cfg, tmp_path / "run", progress=False)
+    assert summary["step"] == 2 and "4 per rank x 4 accumulation x 1 ranks = global batch 16" in caplog.text
+    saved = load_config(RunConfig, tmp_path / "run" / TRAIN_CONFIG).train
+    assert saved.phases[0].micro_batch_size == 4 and saved.global_batch_size == 16
+    samples = [json.loads(line)["samples_seen"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert samples == [16, 32]
