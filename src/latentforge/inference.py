@@ -87,8 +87,13 @@ def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | 
     device = torch.device(device)
     c = ckpt.load_checkpoint(path)
     group = "ema" if use_ema and "ema" in c.tensors else "model"  # a run without EMA has only the raw weights
-    unet = build_unet(cfg.train.unet)
-    unet.load_state_dict(c.tensors[group])
+    if cfg.train.init_from:  # a fine-tuning run: the architecture (and a LoRA's base) is the base pipeline's
+        from latentforge.train.finetune import unet_for_run
+
+        unet = unet_for_run(cfg.train, c.tensors[group], str(path))
+    else:
+        unet = build_unet(cfg.train.unet)
+        unet.load_state_dict(c.tensors[group])
     unet.to(device).eval()
     vae, text_model, tokenizer = load_encoders(meta, device)
     return Components(unet, vae, text_model, tokenizer, cfg.train.noise, int(meta["text_encoder"]["max_length"]),

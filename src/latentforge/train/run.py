@@ -24,6 +24,7 @@ from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.unet import UNetConfig, build_unet, unet_diffusers_config
 from latentforge.distributed.env import World
+from latentforge.train import finetune
 from latentforge.train.trainer import Trainer, TrainConfig, phase_batches
 
 log = logging.getLogger(__name__)
@@ -119,18 +120,30 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     tcfg = cfg.train
     meta = latent_meta(tcfg)
     phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
-    unet_cfg = resolve_unet_config(tcfg.unet, meta)
-    tcfg = replace(tcfg, unet=unet_cfg)
+    base = None
+    if tcfg.init_from:
+        base = finetune.open_base(tcfg.init_from)
+        if tcfg.unet.overrides():
+            raise ConfigError("train.unet: with init_from the U-Net is the base pipeline's: remove train.unet")
+        finetune.check_data_matches_base(base, meta)
+        tcfg = replace(tcfg, noise=finetune.base_noise_config(base, tcfg.noise))
+    else:
+        tcfg = replace(tcfg, unet=resolve_unet_config(tcfg.unet, meta))
     device = pick_device(tcfg.device)
     resume_from = ckpt.resolve_resume(run, resume)
     if world.is_main:
         run.mkdir(parents=True, exist_ok=True)
-        _check_same_run(run, cfg, resume_from)
+        _check_same_run(run, replace(cfg, train=tcfg), resume_from)
         save_config(replace(cfg, train=tcfg), run / TRAIN_CONFIG)
         (run / DATA_META).write_text(json.dumps(meta, indent=1))
 
-    torch.manual_seed(tcfg.seed)
-    model = build_unet(unet_cfg).to(device)
+    torch.manual_seed(tcfg.seed)  # also seeds the LoRA adapters' initialisation
+    if base is not None:
+        model = finetune.build_finetune_unet(base, tcfg.lora, getattr(torch, tcfg.frozen_dtype)).to(device)
+    else:
+        model = build_unet(tcfg.unet).to(device)
+    if tcfg.activation_checkpointing:
+        model.enable_gradient_checkpointing()
     model.train()
 
     def make_loader(phase: int, micro: int):
@@ -140,7 +153,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     from latentforge.inference import training_sampler
 
     sample_fn = training_sampler(tcfg, meta, run) if tcfg.sampling.prompts and world.is_main else None
-    flops, peak = _flops_and_peak(tcfg, device)
+    flops, peak = _flops_and_peak(tcfg, device, dict(model.config))
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
                       progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint)
     if resume_from is not None and progress and world.is_main:
@@ -157,7 +170,7 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
 
     before = to_dict(load_config(RunConfig, old).train)
     now = to_dict(cfg.train)
-    for key in ("unet", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma"):
+    for key in ("unet", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma", "init_from", "lora"):
         b, n = before.get(key), now.get(key)
         if key == "unet":  # data-filled fields were None in the user's config
             n = {k: (v if v is not None else b.get(k)) for k, v in n.items()}
@@ -166,7 +179,8 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
                             f"({TRAIN_CONFIG}); use a new run directory or restore the setting")
 
 
-def _flops_and_peak(cfg: TrainConfig, device: torch.device) -> tuple[list[float], float]:
+def _flops_and_peak(cfg: TrainConfig, device: torch.device,
+                    unet_config: dict[str, Any]) -> tuple[list[float], float]:
     """Model FLOPs per training image of each phase (its latent size) and the device's peak."""
     from latentforge.plan.flops import device_peak_flops, train_flops_per_image
 
@@ -175,7 +189,7 @@ def _flops_and_peak(cfg: TrainConfig, device: torch.device) -> tuple[list[float]
         index = read_index(phase.datasets[0].path)
         _, size, _ = parse_ndarray(index.columns["latent_mean"])[1]
         text_len = parse_ndarray(index.columns["text_hidden"])[1][0]
-        flops.append(float(train_flops_per_image(cfg.unet, size, text_len)))
+        flops.append(float(train_flops_per_image(unet_config, size, text_len)))
     precision = "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda") else "fp32"
     peak, _ = device_peak_flops(device, precision)
     return flops, peak
