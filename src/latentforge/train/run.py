@@ -19,6 +19,7 @@ import torch
 
 from latentforge import checkpoint as ckpt
 from latentforge.config import save_config
+from latentforge.data.buckets import bucketed_index, build_bucket_loader, is_bucketed
 from latentforge.data.loader import LoaderConfig, build_loader
 from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
@@ -50,9 +51,11 @@ def latent_meta(cfg: TrainConfig) -> dict[str, Any]:
     for i, phase in enumerate(cfg.phases):
         if not phase.datasets:
             raise ConfigError(f"train.phases[{i}].datasets: empty: list the latent datasets of this phase")
+        if len(phase.datasets) > 1 and any(is_bucketed(ds.path) for ds in phase.datasets):
+            raise ConfigError(f"train.phases[{i}].datasets: a bucketed dataset must be the phase's only dataset")
         for j, ds in enumerate(phase.datasets):
-            index = read_index(ds.path)
             where = f"train.phases[{i}].datasets[{j}]"
+            index, square = bucketed_index(ds.path) if is_bucketed(ds.path) else (read_index(ds.path), None)
             if index.kind != "latent":
                 raise ConfigError(f"{where}.path: {ds.path} holds {index.kind!r} shards; train on encoded (latent) "
                                   "shards: run latentforge encode first")
@@ -62,7 +65,8 @@ def latent_meta(cfg: TrainConfig) -> dict[str, Any]:
             meta = {
                 "vae": index.meta["vae"],
                 "text_encoder": index.meta["text_encoder"],
-                "latent_shape": list(parse_ndarray(index.columns["latent_mean"])[1]),
+                # a bucketed dataset: the square latent of the same area (the U-Net's default size)
+                "latent_shape": square or list(parse_ndarray(index.columns["latent_mean"])[1]),
                 "text_shape": list(parse_ndarray(index.columns["text_hidden"])[1]),
                 "resolution": res,
             }
@@ -148,6 +152,12 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
 
     def make_loader(phase: int, micro: int):
         loader_cfg = replace(cfg.data, datasets=tcfg.phases[phase].datasets)
+        if is_bucketed(loader_cfg.datasets[0].path):
+            _, accum, _ = phase_batches(tcfg, world.world_size)[phase]
+            if cfg.data.bucket_leftovers == "small_batch" and accum > 1:
+                raise ConfigError("data.bucket_leftovers: small_batch cannot be split into gradient accumulation "
+                                  "steps: set the global batch to the micro batch, or use carry")
+            return build_bucket_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
         return build_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
 
     from latentforge.inference import training_sampler
@@ -186,8 +196,12 @@ def _flops_and_peak(cfg: TrainConfig, device: torch.device,
 
     flops = []
     for phase in cfg.phases:
-        index = read_index(phase.datasets[0].path)
-        _, size, _ = parse_ndarray(index.columns["latent_mean"])[1]
+        path = phase.datasets[0].path
+        if is_bucketed(path):
+            index, (_, size, _) = bucketed_index(path)  # FLOPs of the square latent of the same area
+        else:
+            index = read_index(path)
+            _, size, _ = parse_ndarray(index.columns["latent_mean"])[1]
         text_len = parse_ndarray(index.columns["text_hidden"])[1][0]
         flops.append(float(train_flops_per_image(unet_config, size, text_len)))
     precision = "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda") else "fp32"
