@@ -85,7 +85,7 @@ def assets(tmp_path_factory) -> dict[str, Path]:
         out[layout] = make_tiny_pipeline(root / "pipes", layout)
         latents = root / f"latents-{layout}"
         assert main(["encode", str(out["raw"]), "--from", str(out[layout]), "--out", str(latents), "--quiet",
-                     "encode.max_length=12", "encode.device=cpu", "encode.batch_size=8"]) == 0
+                     "encode.device=cpu", "encode.batch_size=8"]) == 0  # max_length 77, as SD
         out[f"latents-{layout}"] = latents
     return out
 
@@ -237,6 +237,12 @@ def test_lora_trains_only_the_adapters_and_exports_both_ways(assets, tmp_path, m
     ours = latents_of(merged_pipe, embeds)
 
     with_lora = pipeline(assets["sd2v"])
+    # encode --from encoded the captions as the stock pipeline runs its CLIP (no padding mask), so the
+    # base pipeline conditions exactly as the training data and the merged export do.
+    assert merged_pipe.text_encoder.config.use_attention_mask is False
+    with torch.no_grad():
+        base_embeds = with_lora.encode_prompt("a big blue square", "cpu", 1, True, "")
+    torch.testing.assert_close(base_embeds, embeds, rtol=0, atol=0)
     without = latents_of(with_lora, embeds)
     with_lora.load_lora_weights(str(lora_dir))
     theirs = latents_of(with_lora, embeds)

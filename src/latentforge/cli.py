@@ -58,7 +58,8 @@ def cmd_encode(ns, overrides):
         raise UserError("encode: --from takes the VAE and text encoder from the pipeline; drop --vae/--text-encoder")
     # A pipeline directory holds vae/, text_encoder/ and tokenizer/: both loaders find their subfolder.
     recipe = _recipe(ns, overrides, {"encode.vae": ns.vae or ns.base, "encode.text_encoder": ns.text_encoder or ns.base,
-                                     "encode.batch_size": ns.batch_size})
+                                     "encode.batch_size": ns.batch_size,
+                                     "encode.attention_mask": "pipeline" if ns.base else None})
     summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
     print(f"encode: seen {summary['seen']}, written {summary['written']}, rejected "
           f"{sum(summary['rejected'].values())} -> {ns.out}")

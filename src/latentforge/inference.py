@@ -77,6 +77,8 @@ def load_encoders(meta: dict[str, Any], device: torch.device) -> tuple[Any, Any,
     vae = load_vae(meta["vae"]["path"], device=device)
     # The encode step may have taken the tokenizer from elsewhere (e.g. a T5 without one).
     text_model, tokenizer = load_text_encoder(text["path"], device=device, tokenizer=text.get("tokenizer_path"))
+    # Condition as the training data was encoded: with or without the padding mask (older data: with).
+    text_model.config.use_attention_mask = bool(text.get("attention_mask", True))
     return vae, text_model, tokenizer
 
 

@@ -104,6 +104,10 @@ class EncodeConfig:
         "help": "VAE compute dtype; the encoder is cheap next to training, and float16 VAEs can overflow"})
     text_dtype: Literal["auto", "float32", "float16", "bfloat16"] = field(default="auto", metadata={
         "help": "text encoder compute dtype; auto = float32 on cpu, bfloat16 on cuda"})
+    attention_mask: Literal["on", "pipeline"] = field(default="on", metadata={
+        "help": "on: the text encoder sees the captions' padding mask; pipeline: as a diffusers pipeline runs it, "
+                "masked only if its config sets use_attention_mask (SD 1.x/2.x CLIP: unmasked, as they were "
+                "trained); encode --from sets pipeline"})
     storage_dtype: Literal["float16", "float32"] = field(default="float16", metadata={
         "help": "dtype of the stored latents and text embeddings (float16 halves disk and read cost)"})
 
@@ -227,6 +231,9 @@ class _Encoders:
             self.vae.to(dtype=_DTYPES[cfg.vae_dtype])
         self.text, self.tokenizer = load_text_encoder(cfg.text_encoder, tokenizer=cfg.tokenizer)
         text_fp = text_encoder_fingerprint(self.text, self.tokenizer)
+        # Set explicitly (after the fingerprint): encode_text, sampling and an exported pipeline follow it.
+        self.text.config.use_attention_mask = (cfg.attention_mask == "on"
+                                               or bool(getattr(self.text.config, "use_attention_mask", False)))
         self.text.to(device=device, dtype=_DTYPES[text_dtype])
         self.max_length = resolve_max_length(self.text, self.tokenizer, cfg.max_length)
         self.storage = np.dtype(cfg.storage_dtype)

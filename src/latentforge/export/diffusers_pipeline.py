@@ -4,8 +4,8 @@ The directory holds unet (EMA weights by default), vae, text_encoder, tokenizer,
 model_index.json, all weights in safetensors, and loads offline with
 ``StableDiffusionPipeline.from_pretrained(DIR)``. Two settings make the pipeline condition on
 exactly what training saw: the tokenizer's ``model_max_length`` is the length captions were
-encoded at, and the text encoder's config says ``use_attention_mask`` (the pipeline then passes
-the padding mask, as the encode step did).
+encoded at, and the text encoder's config says ``use_attention_mask`` as the encode step ran it
+(the pipeline then passes the padding mask, or not, the same way).
 
 A LoRA fine-tuning run (``train.lora``) exports either this full pipeline with the adapters
 merged into the base U-Net (``fuse_lora``), or with ``lora_file=True`` only the adapter file
@@ -54,7 +54,8 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
         lora_config = comps.unet.peft_config["default"].to_dict()
         comps.unet.fuse_lora()  # W + (alpha / r) B A, then drop the adapter layers
         comps.unet.unload_lora()
-    comps.text_model.config.use_attention_mask = True
+    # comps.text_model.config.use_attention_mask is the encode step's (load_encoders set it): the
+    # pipeline passes the padding mask exactly when the training data was encoded with it.
     comps.tokenizer.model_max_length = comps.max_length
     pipe = StableDiffusionPipeline(
         vae=comps.vae, text_encoder=comps.text_model, tokenizer=comps.tokenizer, unet=comps.unet,
