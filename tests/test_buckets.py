@@ -67,7 +67,8 @@ def test_small_batch_reads_each_sample_once_per_epoch(sizes, round_size):
     for e in range(3):
         for b, rounds in _consumed(BucketSchedule(sizes, round_size, 1, "small_batch"), e + 1).items():
             n = sizes[b]
-            mine = rounds[-(-n // round_size):]  # the rounds of epoch e
+            per_epoch = -(-n // round_size)  # ceil(n / R)
+            mine = rounds[-per_epoch:]  # the rounds of epoch e
             covered = sorted(p for start, length in mine for p in range(start, start + length))
             assert covered == list(range(e * n, (e + 1) * n))
             assert sum(length < round_size for _, length in mine) == (1 if n % round_size else 0)
@@ -162,7 +163,7 @@ def test_two_ranks_read_the_rounds_of_one_rank(bucketed):
         assert a["latent_mean"].shape == b["latent_mean"].shape
 
 
-def test_small_batch_reads_each_sample_once_per_epoch(bucketed, caplog):
+def test_small_batch_loader_reads_each_sample_once_and_logs_it(bucketed, caplog):
     loader = _loader(bucketed, micro=2, leftovers="small_batch")
     with caplog.at_level(logging.INFO, logger="latentforge.data.buckets"):
         epoch = list(itertools.islice(iter(loader), 4 + 3 + 2))  # ceil(7/2) + ceil(5/2) + ceil(3/2) rounds

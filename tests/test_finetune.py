@@ -19,7 +19,6 @@ import safetensors.torch
 import torch
 from diffusers import DDIMScheduler, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
-from latentforge import checkpoint as ckpt
 from latentforge.cli import main
 from latentforge.config import apply_overrides, from_dict, load_config
 from latentforge.errors import ConfigError, UserError
