@@ -54,8 +54,12 @@ def cmd_ingest(ns, overrides):
 def cmd_encode(ns, overrides):
     from latentforge.data.encode import encode_dataset
 
-    recipe = _recipe(ns, overrides, {"encode.vae": ns.vae, "encode.text_encoder": ns.text_encoder,
-                                     "encode.batch_size": ns.batch_size})
+    if ns.base and (ns.vae or ns.text_encoder):
+        raise UserError("encode: --from takes the VAE and text encoder from the pipeline; drop --vae/--text-encoder")
+    # A pipeline directory holds vae/, text_encoder/ and tokenizer/: both loaders find their subfolder.
+    recipe = _recipe(ns, overrides, {"encode.vae": ns.vae or ns.base, "encode.text_encoder": ns.text_encoder or ns.base,
+                                     "encode.batch_size": ns.batch_size,
+                                     "encode.attention_mask": "pipeline" if ns.base else None})
     summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
     print(f"encode: seen {summary['seen']}, written {summary['written']}, rejected "
           f"{sum(summary['rejected'].values())} -> {ns.out}")
@@ -80,7 +84,7 @@ def cmd_train(ns, overrides):
     from latentforge.distributed.env import close_world, init_world
     from latentforge.train.run import RunConfig, train
 
-    recipe = _recipe(ns, overrides, {})
+    recipe = _recipe(ns, overrides, {"train.init_from": getattr(ns, "base", None)})
     world = init_world(recipe.train.device)  # torchrun / SLURM: RANK, WORLD_SIZE; else one process
     try:
         summary = train(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, resume=ns.resume,
@@ -117,8 +121,11 @@ def cmd_sample(ns, overrides):
 def cmd_export(ns, overrides):
     from latentforge.export.diffusers_pipeline import export_pipeline
 
-    out = export_pipeline(ns.checkpoint, ns.out, use_ema=not ns.no_ema, scheduler=ns.scheduler)
-    print(f"export: diffusers StableDiffusionPipeline -> {out}")
+    out = export_pipeline(ns.checkpoint, ns.out, use_ema=not ns.no_ema, scheduler=ns.scheduler,
+                          lora_file=ns.lora_file)
+    what = "LoRA weights for StableDiffusionPipeline.load_lora_weights" if ns.lora_file else \
+        "diffusers StableDiffusionPipeline"
+    print(f"export: {what} -> {out}")
 
 
 def cmd_demo(ns, overrides):
@@ -204,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--text-encoder", dest="text_encoder", help="transformers text encoder directory or hub id")
     sp.add_argument("--out", required=True, help="output directory (local)")
     sp.add_argument("--batch-size", dest="batch_size", type=int, help="encode.batch_size")
+    sp.add_argument("--from", dest="base", metavar="DIR",
+                    help="a diffusers pipeline directory: encode with its vae/, text_encoder/ and tokenizer/ "
+                         "(for fine-tuning it)")
 
     sp = add("train-vae", cmd_train_vae, "train a small AutoencoderKL from scratch on raw shards; measures the latent "
              "scale factor and writes a diffusers VAE directory")
@@ -215,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("train", cmd_train, "train the latent diffusion U-Net on latent shards (phases, EMA, checkpoints); "
              "resumes from the newest complete checkpoint")
     sp.add_argument("run_dir", metavar="RUN_DIR", help="run directory: checkpoints, logs, samples")
+    sp.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a checkpoint dir")
+
+    sp = add("finetune", cmd_train, "fine-tune a diffusers Stable Diffusion pipeline (full or LoRA with train.lora) "
+             "on latent shards encoded with encode --from DIR; resumes like train")
+    sp.add_argument("run_dir", metavar="RUN_DIR", help="run directory: checkpoints, logs, samples")
+    sp.add_argument("--from", dest="base", metavar="DIR", required=True,
+                    help="the diffusers pipeline directory to start from (train.init_from)")
     sp.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a checkpoint dir")
 
     sp = add("sample", cmd_sample, "generate images and a grid from a checkpoint (or a run's newest one)")
@@ -234,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="output directory (new)")
     sp.add_argument("--scheduler", default="ddim", choices=["ddim", "dpm++", "euler", "ddpm"])
     sp.add_argument("--no-ema", dest="no_ema", action="store_true", help="export the raw weights, not the EMA")
+    sp.add_argument("--lora-file", dest="lora_file", action="store_true",
+                    help="LoRA runs: write only the adapter file (load_lora_weights), not the merged pipeline")
 
     sp = add("demo", cmd_demo, "the end-to-end demo on the built-in dataset (recipe tiny-cpu by default)")
     sp.add_argument("--out", default="runs/demo", help="output directory (default runs/demo); a rerun resumes")

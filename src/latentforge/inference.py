@@ -77,6 +77,8 @@ def load_encoders(meta: dict[str, Any], device: torch.device) -> tuple[Any, Any,
     vae = load_vae(meta["vae"]["path"], device=device)
     # The encode step may have taken the tokenizer from elsewhere (e.g. a T5 without one).
     text_model, tokenizer = load_text_encoder(text["path"], device=device, tokenizer=text.get("tokenizer_path"))
+    # Condition as the training data was encoded: with or without the padding mask (older data: with).
+    text_model.config.use_attention_mask = bool(text.get("attention_mask", True))
     return vae, text_model, tokenizer
 
 
@@ -87,8 +89,13 @@ def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | 
     device = torch.device(device)
     c = ckpt.load_checkpoint(path)
     group = "ema" if use_ema and "ema" in c.tensors else "model"  # a run without EMA has only the raw weights
-    unet = build_unet(cfg.train.unet)
-    unet.load_state_dict(c.tensors[group])
+    if cfg.train.init_from:  # a fine-tuning run: the architecture (and a LoRA's base) is the base pipeline's
+        from latentforge.train.finetune import unet_for_run
+
+        unet = unet_for_run(cfg.train, c.tensors[group], str(path))
+    else:
+        unet = build_unet(cfg.train.unet)
+        unet.load_state_dict(c.tensors[group])
     unet.to(device).eval()
     vae, text_model, tokenizer = load_encoders(meta, device)
     return Components(unet, vae, text_model, tokenizer, cfg.train.noise, int(meta["text_encoder"]["max_length"]),

@@ -12,6 +12,12 @@ The latents are stored unscaled: the VAE's ``scaling_factor``/``shift_factor`` g
 dataset meta, and training applies them. ``empty_prompt.safetensors`` holds the conditioning of
 the empty caption, for caption dropout and classifier-free guidance.
 
+A raw dataset ingested with aspect-ratio buckets (``ingest.image.crop: buckets``) holds images of
+several sizes; its encode writes one latent dataset per bucket, ``OUT/bucket-<W>x<H>/``, and
+``OUT/buckets.json`` listing them (the training loader then batches within a bucket, see
+:mod:`latentforge.data.buckets`). Each bucket's pass reads the raw shards' rows of that bucket
+only, but reads every raw shard: the raw data is read once per bucket.
+
 The output directory is resumable per shard: a shard is done when its parquet file and its
 record ``.progress/<shard>.json`` agree on the number of rows. ``.progress/meta.json`` records
 which VAE, text encoder, settings and source dataset the directory was made with, and a rerun
@@ -70,6 +76,7 @@ __all__ = [
     "CONFIG_FILE",
 ]
 
+BUCKETS = "buckets.json"
 REJECTED = "rejected.jsonl"
 SUMMARY = "summary.json"
 CONFIG_FILE = "encode_config.yaml"
@@ -97,6 +104,10 @@ class EncodeConfig:
         "help": "VAE compute dtype; the encoder is cheap next to training, and float16 VAEs can overflow"})
     text_dtype: Literal["auto", "float32", "float16", "bfloat16"] = field(default="auto", metadata={
         "help": "text encoder compute dtype; auto = float32 on cpu, bfloat16 on cuda"})
+    attention_mask: Literal["on", "pipeline"] = field(default="on", metadata={
+        "help": "on: the text encoder sees the captions' padding mask; pipeline: as a diffusers pipeline runs it, "
+                "masked only if its config sets use_attention_mask (SD 1.x/2.x CLIP: unmasked, as they were "
+                "trained); encode --from sets pipeline"})
     storage_dtype: Literal["float16", "float32"] = field(default="float16", metadata={
         "help": "dtype of the stored latents and text embeddings (float16 halves disk and read cost)"})
 
@@ -123,8 +134,10 @@ class RejectedImage(Exception):
         self.reason = reason
 
 
-def decode_image(data: bytes | None, resolution: int) -> np.ndarray:
-    """Encoded image bytes -> RGB pixels in [-1, 1], float32 (3, H, W), as the VAE expects."""
+def decode_image(data: bytes | None, resolution: int | tuple[int, int]) -> np.ndarray:
+    """Encoded image bytes -> RGB pixels in [-1, 1], float32 (3, H, W), as the VAE expects;
+    ``resolution``: the side of a square dataset, or (width, height) of a bucket."""
+    size = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
     if not data:
         raise RejectedImage("missing_image", "no image bytes")
     try:
@@ -132,8 +145,8 @@ def decode_image(data: bytes | None, resolution: int) -> np.ndarray:
             rgb = im.convert("RGB")  # decodes the whole image
     except Exception as e:  # Pillow raises OSError, SyntaxError, zlib/struct errors... on damaged data
         raise RejectedImage("undecodable_image", first_line(e)) from None
-    if rgb.size != (resolution, resolution):
-        raise RejectedImage("wrong_size", f"{rgb.size[0]}x{rgb.size[1]}, the dataset is {resolution}x{resolution}")
+    if rgb.size != size:
+        raise RejectedImage("wrong_size", f"{rgb.size[0]}x{rgb.size[1]}, the dataset is {size[0]}x{size[1]}")
     return (np.asarray(rgb, dtype=np.float32) / 127.5 - 1.0).transpose(2, 0, 1)
 
 
@@ -218,6 +231,9 @@ class _Encoders:
             self.vae.to(dtype=_DTYPES[cfg.vae_dtype])
         self.text, self.tokenizer = load_text_encoder(cfg.text_encoder, tokenizer=cfg.tokenizer)
         text_fp = text_encoder_fingerprint(self.text, self.tokenizer)
+        # Set explicitly (after the fingerprint): encode_text, sampling and an exported pipeline follow it.
+        self.text.config.use_attention_mask = (cfg.attention_mask == "on"
+                                               or bool(getattr(self.text.config, "use_attention_mask", False)))
         self.text.to(device=device, dtype=_DTYPES[text_dtype])
         self.max_length = resolve_max_length(self.text, self.tokenizer, cfg.max_length)
         self.storage = np.dtype(cfg.storage_dtype)
@@ -241,10 +257,16 @@ class _Encoders:
 
 
 def _encode_shard(raw_uri: str, out: Path, name: str, enc: _Encoders, columns: dict[str, str],
-                  resolution: int, batch_size: int, bar: tqdm) -> dict:
-    """Encode one raw shard into ``out/name`` and write its completion record."""
+                  resolution: int | tuple[int, int], batch_size: int, bar: tqdm, bucket: bool = False) -> dict:
+    """Encode one raw shard into ``out/name`` and write its completion record; ``bucket``: keep
+    only the rows of the (width, height) ``resolution`` (the others belong to other buckets)."""
     table = read_shard(raw_uri, columns=list(_RAW_NEEDED))
     keys, images, captions, widths, heights = (table.column(c).to_pylist() for c in _RAW_NEEDED)
+    if bucket:
+        mine = [i for i in range(len(keys)) if (widths[i], heights[i]) == tuple(resolution)]
+        bar.update(len(keys) - len(mine))
+        keys, images, captions, widths, heights = ([col[i] for i in mine]
+                                                   for col in (keys, images, captions, widths, heights))
     rows: list[dict[str, Any]] = []
     rejected: list[dict[str, str]] = []
     for start in range(0, len(keys), batch_size):
@@ -275,7 +297,8 @@ def _encode_shard(raw_uri: str, out: Path, name: str, enc: _Encoders, columns: d
 
 
 def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool = True) -> dict:
-    """Encode the raw dataset at ``raw_dir`` (local or s3://) into latent shards in ``out_dir``.
+    """Encode the raw dataset at ``raw_dir`` (local or s3://) into latent shards in ``out_dir``
+    (one latent dataset per bucket for a bucketed raw dataset, see the module docstring).
 
     Returns the summary ``{"seen", "written", "rejected": {reason: count}}`` (also written to
     ``out_dir/summary.json``); shards finished by an earlier run with the same inputs are kept.
@@ -287,36 +310,73 @@ def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool
     device = _resolve_device(cfg.device)
     enc = _Encoders(cfg, device)
     factor = enc.vae_info["downsample_factor"]
-    if resolution % factor:
-        raise UserError(f"{raw_dir}: resolution {resolution} is not a multiple of the VAE's "
-                        f"downsample factor {factor}")
+    if raw.meta.get("crop") != "buckets":
+        if resolution % factor:
+            raise UserError(f"{raw_dir}: resolution {resolution} is not a multiple of the VAE's "
+                            f"downsample factor {factor}")
+        return _encode_one(raw_dir, raw, Path(out_dir), cfg, enc, (resolution, resolution), False, progress)
+    sizes: collections.Counter = collections.Counter()
+    for shard in raw.shards:
+        t = read_shard(storage.join(raw_dir, shard.name), columns=["width", "height"])
+        sizes.update(zip(t.column("width").to_pylist(), t.column("height").to_pylist()))
+    bad = [f"{w}x{h}" for w, h in sizes if w % factor or h % factor]
+    if bad:
+        raise UserError(f"{raw_dir}: bucket size(s) {', '.join(bad)} are not multiples of the VAE's downsample "
+                        f"factor {factor}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()) and not (out / PROGRESS / "buckets").is_file():
+        raise UserError(f"{out}: exists, is not empty and is not a bucketed encode output: use a new or empty directory")
+    storage.atomic_write_bytes(out / PROGRESS / "buckets", b"")
+    (out / BUCKETS).unlink(missing_ok=True)  # the completion marker of the whole, rewritten last
+    buckets, summaries = [], []
+    for (w, h), n in sorted(sizes.items()):
+        name = f"bucket-{w}x{h}"
+        summaries.append(_encode_one(raw_dir, raw, out / name, cfg, enc, (w, h), True, progress))
+        buckets.append({"path": name, "width": w, "height": h, "num_samples": summaries[-1]["written"]})
+    rejected: collections.Counter = collections.Counter()
+    for sm in summaries:
+        rejected.update(sm["rejected"])
+    summary = {"seen": sum(sm["seen"] for sm in summaries), "written": sum(sm["written"] for sm in summaries),
+               "rejected": dict(rejected), "buckets": {b["path"]: b["num_samples"] for b in buckets}}
+    storage.atomic_write_bytes(out / SUMMARY, json.dumps(summary, indent=1).encode())
+    storage.atomic_write_bytes(out / BUCKETS, json.dumps({"resolution": resolution, "buckets": buckets},
+                                                         indent=1).encode())
+    return summary
+
+
+def _encode_one(raw_dir: str, raw: DatasetIndex, out: Path, cfg: EncodeConfig, enc: _Encoders,
+                size: tuple[int, int], bucket: bool, progress: bool) -> dict:
+    """Encode the (width, height) ``size`` images of ``raw_dir`` into the latent dataset ``out``."""
+    resolution = raw.meta["resolution"]
+    factor = enc.vae_info["downsample_factor"]
     source_fp = hashlib.sha256(storage.read_bytes(storage.join(raw_dir, INDEX))).hexdigest()
     meta = {
         "resolution": resolution,
+        **({"bucket": list(size)} if bucket else {}),
         "vae": enc.vae_info,
         "text_encoder": enc.text_info,
         "storage_dtype": cfg.storage_dtype,
         "source_dataset": {"path": raw_dir, "fingerprint": source_fp, "num_samples": raw.num_samples},
     }
-    out = Path(out_dir)
     _open_out_dir(out, meta)
     save_config(enc.resolved, out / CONFIG_FILE)
 
     empty = {k: v[0] for k, v in enc.text_arrays([""]).items()}
     storage.atomic_write_bytes(out / EMPTY_PROMPT, safetensors.numpy.save(empty))
-    side = resolution // factor
-    latent_type = ndarray_type(enc.storage, (enc.vae_info["latent_channels"], side, side))
+    latent_type = ndarray_type(enc.storage, (enc.vae_info["latent_channels"], size[1] // factor, size[0] // factor))
     columns = {"key": "str", "caption": "str", "width": "int64", "height": "int64",
                "latent_mean": latent_type, "latent_std": latent_type,
                **{k: ndarray_type(v.dtype, v.shape) for k, v in empty.items()}}
 
     records = []
-    with tqdm(total=raw.num_samples, unit="img", desc="encode", disable=not progress) as bar:
+    desc = f"encode {size[0]}x{size[1]}" if bucket else "encode"
+    with tqdm(total=raw.num_samples, unit="img", desc=desc, disable=not progress) as bar:
         for shard in raw.shards:
             done = _finished_shard(out, shard.name)
             if done is None:
                 done = _encode_shard(storage.join(raw_dir, shard.name), out, shard.name, enc, columns,
-                                     resolution, cfg.batch_size, bar)
+                                     size, cfg.batch_size, bar, bucket)
             else:
                 bar.update(done["seen"])
             records.append(done)

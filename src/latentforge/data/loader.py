@@ -30,7 +30,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -95,6 +95,9 @@ class LoaderConfig:
         "help": "node-local directory of converted shards; empty = $XDG_CACHE_HOME or ~/.cache /latentforge/shards"})
     cache_limit_gb: float = field(default=64.0, metadata={
         "help": "size bound of cache_dir in GB (1e9 bytes); least recently used shards not in use are evicted"})
+    bucket_leftovers: Literal["carry", "small_batch"] = field(default="carry", metadata={
+        "help": "bucketed datasets: samples left over from a full batch at an epoch end are carried into the next "
+                "epoch, or read as a smaller batch (one rank, no accumulation); see data/buckets.py"})
 
     def validate(self) -> None:
         # An empty list is valid in a recipe (commands fill it in); open_dataset refuses it.

@@ -4,8 +4,13 @@ The directory holds unet (EMA weights by default), vae, text_encoder, tokenizer,
 model_index.json, all weights in safetensors, and loads offline with
 ``StableDiffusionPipeline.from_pretrained(DIR)``. Two settings make the pipeline condition on
 exactly what training saw: the tokenizer's ``model_max_length`` is the length captions were
-encoded at, and the text encoder's config says ``use_attention_mask`` (the pipeline then passes
-the padding mask, as the encode step did).
+encoded at, and the text encoder's config says ``use_attention_mask`` as the encode step ran it
+(the pipeline then passes the padding mask, or not, the same way).
+
+A LoRA fine-tuning run (``train.lora``) exports either this full pipeline with the adapters
+merged into the base U-Net (``fuse_lora``), or with ``lora_file=True`` only the adapter file
+``pytorch_lora_weights.safetensors`` (``StableDiffusionPipeline.save_lora_weights``), which
+``StableDiffusionPipeline.from_pretrained(BASE).load_lora_weights(DIR)`` applies to the base pipeline.
 
 The directory is written under a temporary name next to ``out_dir`` and renamed into place when
 complete, so an interrupted export leaves no half-written pipeline under the final name.
@@ -24,20 +29,33 @@ from latentforge.inference import load_components, load_run_files, resolve_check
 
 
 def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool = True,
-                    scheduler: str = "ddim") -> Path:
-    """Write the pipeline of ``checkpoint`` (a checkpoint or run directory) to the new ``out_dir``."""
+                    scheduler: str = "ddim", lora_file: bool = False) -> Path:
+    """Write the pipeline of ``checkpoint`` (a checkpoint or run directory) to the new ``out_dir``;
+    ``lora_file``: write only the LoRA adapter file of a LoRA run."""
     from diffusers import StableDiffusionPipeline
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out}: exists and is not an empty directory; export writes a new directory")
     path = resolve_checkpoint(checkpoint)
-    _, meta = load_run_files(run_dir_of(path))  # checked before loading any model
+    cfg, meta = load_run_files(run_dir_of(path))  # checked before loading any model
+    is_lora = cfg.train.lora is not None
+    if lora_file and not is_lora:
+        raise UserError(f"{path}: not a LoRA run (train.lora is unset): export the full pipeline instead")
     if meta["vae"].get("shift_factor"):
         raise UserError("export: the run's VAE has a shift_factor, which StableDiffusionPipeline ignores when "
                         "decoding (it decodes latents / scaling_factor): the pipeline could not reproduce this model")
     comps = load_components(path, use_ema=use_ema)
-    comps.text_model.config.use_attention_mask = True
+    lora_state = None
+    if is_lora:
+        from latentforge.train.finetune import lora_state_for_diffusers
+
+        lora_state = lora_state_for_diffusers(comps.unet)
+        lora_config = comps.unet.peft_config["default"].to_dict()
+        comps.unet.fuse_lora()  # W + (alpha / r) B A, then drop the adapter layers
+        comps.unet.unload_lora()
+    # comps.text_model.config.use_attention_mask is the encode step's (load_encoders set it): the
+    # pipeline passes the padding mask exactly when the training data was encoded with it.
     comps.tokenizer.model_max_length = comps.max_length
     pipe = StableDiffusionPipeline(
         vae=comps.vae, text_encoder=comps.text_model, tokenizer=comps.tokenizer, unet=comps.unet,
@@ -49,9 +67,18 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)  # from an earlier failed export of this process
     try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        (tmp / "latentforge_export.json").write_text(json.dumps(
-            {"checkpoint": str(path), "weights": comps.weights, "scheduler": scheduler}, indent=1))
+        record = {"checkpoint": str(path), "weights": comps.weights, "scheduler": scheduler}
+        if lora_file:
+            tmp.mkdir()
+            # The adapter config goes into the file's metadata: without it load_lora_weights assumes
+            # alpha = rank, a wrong scale whenever train.lora.alpha is set.
+            StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=lora_state, safe_serialization=True,
+                                                      unet_lora_adapter_metadata=lora_config)
+            record.update(kind="lora", base=str(Path(cfg.train.init_from).resolve()))
+        else:
+            pipe.save_pretrained(tmp, safe_serialization=True)
+            record["kind"] = "merged-lora" if is_lora else "pipeline"
+        (tmp / "latentforge_export.json").write_text(json.dumps(record, indent=1))
         if final.exists():
             final.rmdir()  # empty (checked above)
         os.rename(tmp, final)

@@ -23,6 +23,7 @@ __all__ = [
     "encode_text",
     "text_encoder_meta",
     "text_encoder_fingerprint",
+    "uses_attention_mask",
 ]
 
 # Encoder-decoder families whose encoder has its own class, so the decoder is never loaded.
@@ -116,13 +117,20 @@ def _pooled(outputs: Any) -> tuple[str | None, torch.Tensor | None]:
     return None, None
 
 
+def uses_attention_mask(model: PreTrainedModel) -> bool:
+    """Whether the encoder sees the padding mask: its config's ``use_attention_mask`` when set
+    (diffusers pipelines pass the mask only then; SD 1.x/2.x CLIP configs do not set it), else yes."""
+    return bool(getattr(model.config, "use_attention_mask", True))
+
+
 @torch.inference_mode()
 def _run(model: PreTrainedModel, tokenizer: Any, captions: Sequence[str],
          max_length: int) -> tuple[Any, torch.Tensor]:
     tokens = tokenizer(list(captions), padding="max_length", truncation=True, max_length=max_length,
                        return_tensors="pt")
     mask = tokens["attention_mask"].to(model.device)
-    return model(input_ids=tokens["input_ids"].to(model.device), attention_mask=mask), mask
+    attention_mask = mask if uses_attention_mask(model) else None
+    return model(input_ids=tokens["input_ids"].to(model.device), attention_mask=attention_mask), mask
 
 
 def encode_text(model: PreTrainedModel, tokenizer: Any, captions: Sequence[str],
@@ -130,7 +138,8 @@ def encode_text(model: PreTrainedModel, tokenizer: Any, captions: Sequence[str],
     """Conditioning for a batch of captions, as tensors on the model's device.
 
     ``text_hidden`` (B, L, D): last hidden states, padded/truncated to ``max_length`` tokens;
-    ``text_mask`` (B, L) uint8: 1 for real tokens; ``text_pooled`` (B, D'): the pooled
+    ``text_mask`` (B, L) uint8: 1 for real tokens (the encoder itself sees it when
+    :func:`uses_attention_mask`); ``text_pooled`` (B, D'): the pooled
     embedding, only when the encoder has one (CLIP ``text_embeds``/``pooler_output``, BERT
     ``pooler_output``; T5 has none).
     """
@@ -152,6 +161,7 @@ def text_encoder_meta(model: PreTrainedModel, tokenizer: Any, max_length: int) -
         "max_length": max_length,
         "hidden_size": int(outputs.last_hidden_state.shape[-1]),
         "pooled_output": pooled_name,
+        "attention_mask": uses_attention_mask(model),
     }
 
 

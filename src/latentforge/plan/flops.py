@@ -13,6 +13,7 @@ import time
 from functools import lru_cache
 
 import torch
+from diffusers import UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
 from latentforge.models.unet import UNetConfig, build_unet
@@ -32,10 +33,11 @@ GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
 }
 
 
-def unet_forward_flops(cfg: UNetConfig, latent_size: int, text_len: int) -> int:
-    """Forward FLOPs of one image through the U-Net of ``cfg`` (counted on the meta device)."""
+def unet_forward_flops(cfg: UNetConfig | dict, latent_size: int, text_len: int) -> int:
+    """Forward FLOPs of one image through the U-Net of ``cfg`` (a UNetConfig or a diffusers
+    ``config.json`` dict), counted on the meta device."""
     with torch.device("meta"):
-        model = build_unet(cfg)
+        model = build_unet(cfg) if isinstance(cfg, UNetConfig) else UNet2DConditionModel.from_config(cfg)
         x = torch.empty(1, model.config.in_channels, latent_size, latent_size)
         hidden = torch.empty(1, text_len, model.config.cross_attention_dim)
         counter = FlopCounterMode(display=False)
@@ -44,7 +46,7 @@ def unet_forward_flops(cfg: UNetConfig, latent_size: int, text_len: int) -> int:
     return int(counter.get_total_flops())
 
 
-def train_flops_per_image(cfg: UNetConfig, latent_size: int, text_len: int) -> int:
+def train_flops_per_image(cfg: UNetConfig | dict, latent_size: int, text_len: int) -> int:
     """Model FLOPs of one training image: 3x the forward."""
     return 3 * unet_forward_flops(cfg, latent_size, text_len)
 

@@ -43,21 +43,24 @@ class EMAConfig:
             raise ConfigError(f"start_step: must be >= 0, got {self.start_step}")
 
 
-def _parameters(model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor]]:
-    """Names (without compile/DDP prefixes) and detached parameters, shared ones listed once."""
-    named = list(model.named_parameters())
+def _parameters(model: torch.nn.Module, trainable_only: bool = False) -> tuple[list[str], list[torch.Tensor]]:
+    """Names (without compile/DDP prefixes) and detached parameters, shared ones listed once
+    (``trainable_only``: those with ``requires_grad``)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only]
     names = list(clean_state_dict_keys(dict(named)))
     return names, [p.detach() for _, p in named]
 
 
 class EMA:
     """Holds fp32 shadow copies of every parameter of ``model`` (frozen ones included, so that
-    unfreezing in a later phase needs no new EMA)."""
+    unfreezing in a later phase needs no new EMA), or with ``trainable_only`` of the trained ones
+    alone (LoRA adapters on a base that never changes)."""
 
-    def __init__(self, model: torch.nn.Module, cfg: EMAConfig) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: EMAConfig, trainable_only: bool = False) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.names, params = _parameters(model)
+        self.trainable_only = trainable_only
+        self.names, params = _parameters(model, trainable_only)
         if not params:
             raise ValueError("EMA: the model has no parameters")
         self.device = torch.device("cpu") if cfg.device == "cpu" else params[0].device
@@ -85,7 +88,7 @@ class EMA:
     @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int) -> None:
         """Call after the optimizer step ``step`` (0-based)."""
-        params = list(model.parameters())
+        params = [p for p in model.parameters() if p.requires_grad or not self.trainable_only]
         if step < self.cfg.start_step:
             torch._foreach_copy_(self.shadow, params)
             return
@@ -118,7 +121,7 @@ class EMA:
     @torch.no_grad()
     def copy_to(self, model: torch.nn.Module) -> None:
         """Overwrite the model's parameters with the EMA (cast to their dtype and device)."""
-        names, params = _parameters(model)
+        names, params = _parameters(model, self.trainable_only)
         if names != self.names:
             raise ValueError("EMA.copy_to: the model's parameter names differ from the ones the EMA was built from")
         torch._foreach_copy_(params, self.shadow)
@@ -127,7 +130,7 @@ class EMA:
     def swapped_into(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         """Evaluate with the EMA weights, then restore the trained ones (costs one copy of the
         model's parameters on their device while inside)."""
-        _, params = _parameters(model)
+        _, params = _parameters(model, self.trainable_only)
         with torch.no_grad():
             backup = [p.clone() for p in params]
         self.copy_to(model)

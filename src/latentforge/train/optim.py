@@ -24,6 +24,9 @@ _FUSED_DEVICE_TYPES = ("cuda", "cpu")
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "adamw8bit"] = field(default="adamw", metadata={
+        "help": "adamw (torch, fp32 state: 8 bytes/param) or adamw8bit (bitsandbytes block-wise 8-bit state: "
+                "2 bytes/param; tensors under 4096 elements keep fp32 state)"})
     lr: float = field(default=1e-4, metadata={"help": "peak learning rate, reached at the end of warmup"})
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW (beta1, beta2)"})
     weight_decay: float = field(
@@ -85,6 +88,8 @@ def build_optimizer(
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if cfg.name == "adamw8bit":
+        return _adamw8bit(groups, cfg, device_type)
     if cfg.fused == "auto":
         fused = device_type in _FUSED_DEVICE_TYPES
     else:
@@ -96,6 +101,21 @@ def build_optimizer(
         if fused:
             raise ConfigError(f"fused: the fused AdamW kernel is not available here ({e}); set optim.fused=false") from None
         raise
+
+
+def _adamw8bit(groups: list[dict], cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW with block-wise quantised 8-bit moments (Dettmers et al. 2022,
+    "8-bit Optimizers via Block-wise Quantization", arXiv:2110.02861)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ConfigError(f"name: adamw8bit needs bitsandbytes ({e}): pip install 'latentforge[finetune]' "
+                          "or set optim.name=adamw") from None
+    try:
+        return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    except (RuntimeError, NotImplementedError) as e:
+        raise ConfigError(f"name: bitsandbytes' 8-bit AdamW does not run on {device_type} here ({e}); "
+                          "set optim.name=adamw") from None
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -19,11 +19,13 @@ import torch
 
 from latentforge import checkpoint as ckpt
 from latentforge.config import save_config
+from latentforge.data.buckets import bucketed_index, build_bucket_loader, is_bucketed
 from latentforge.data.loader import LoaderConfig, build_loader
 from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.unet import UNetConfig, build_unet, unet_diffusers_config
 from latentforge.distributed.env import World
+from latentforge.train import finetune
 from latentforge.train.trainer import Trainer, TrainConfig, phase_batches
 
 log = logging.getLogger(__name__)
@@ -49,9 +51,11 @@ def latent_meta(cfg: TrainConfig) -> dict[str, Any]:
     for i, phase in enumerate(cfg.phases):
         if not phase.datasets:
             raise ConfigError(f"train.phases[{i}].datasets: empty: list the latent datasets of this phase")
+        if len(phase.datasets) > 1 and any(is_bucketed(ds.path) for ds in phase.datasets):
+            raise ConfigError(f"train.phases[{i}].datasets: a bucketed dataset must be the phase's only dataset")
         for j, ds in enumerate(phase.datasets):
-            index = read_index(ds.path)
             where = f"train.phases[{i}].datasets[{j}]"
+            index, square = bucketed_index(ds.path) if is_bucketed(ds.path) else (read_index(ds.path), None)
             if index.kind != "latent":
                 raise ConfigError(f"{where}.path: {ds.path} holds {index.kind!r} shards; train on encoded (latent) "
                                   "shards: run latentforge encode first")
@@ -61,7 +65,8 @@ def latent_meta(cfg: TrainConfig) -> dict[str, Any]:
             meta = {
                 "vae": index.meta["vae"],
                 "text_encoder": index.meta["text_encoder"],
-                "latent_shape": list(parse_ndarray(index.columns["latent_mean"])[1]),
+                # a bucketed dataset: the square latent of the same area (the U-Net's default size)
+                "latent_shape": square or list(parse_ndarray(index.columns["latent_mean"])[1]),
                 "text_shape": list(parse_ndarray(index.columns["text_hidden"])[1]),
                 "resolution": res,
             }
@@ -118,8 +123,15 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     run = Path(run_dir)
     tcfg = cfg.train
     meta = latent_meta(tcfg)
-    unet_cfg = resolve_unet_config(tcfg.unet, meta)
-    tcfg = replace(tcfg, unet=unet_cfg)
+    base = None
+    if tcfg.init_from:
+        base = finetune.open_base(tcfg.init_from)
+        if tcfg.unet.overrides():
+            raise ConfigError("train.unet: with init_from the U-Net is the base pipeline's: remove train.unet")
+        finetune.check_data_matches_base(base, meta)
+        tcfg = replace(tcfg, noise=finetune.base_noise_config(base, tcfg.noise))
+    else:
+        tcfg = replace(tcfg, unet=resolve_unet_config(tcfg.unet, meta))
     device = pick_device(tcfg.device)
     if tcfg.micro_batch_size == "auto":
         from latentforge.plan.memory import resolve_auto_micro_batch
@@ -129,22 +141,33 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     resume_from = ckpt.resolve_resume(run, resume)
     if world.is_main:
         run.mkdir(parents=True, exist_ok=True)
-        _check_same_run(run, cfg, resume_from)
+        _check_same_run(run, replace(cfg, train=tcfg), resume_from)
         save_config(replace(cfg, train=tcfg), run / TRAIN_CONFIG)
         (run / DATA_META).write_text(json.dumps(meta, indent=1))
 
-    torch.manual_seed(tcfg.seed)
-    model = build_unet(unet_cfg).to(device)
+    torch.manual_seed(tcfg.seed)  # also seeds the LoRA adapters' initialisation
+    if base is not None:
+        model = finetune.build_finetune_unet(base, tcfg.lora, getattr(torch, tcfg.frozen_dtype)).to(device)
+    else:
+        model = build_unet(tcfg.unet).to(device)
+    if tcfg.activation_checkpointing:
+        model.enable_gradient_checkpointing()
     model.train()
 
     def make_loader(phase: int, micro: int):
         loader_cfg = replace(cfg.data, datasets=tcfg.phases[phase].datasets)
+        if is_bucketed(loader_cfg.datasets[0].path):
+            _, accum, _ = phase_batches(tcfg, world.world_size)[phase]
+            if cfg.data.bucket_leftovers == "small_batch" and accum > 1:
+                raise ConfigError("data.bucket_leftovers: small_batch cannot be split into gradient accumulation "
+                                  "steps: set the global batch to the micro batch, or use carry")
+            return build_bucket_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
         return build_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
 
     from latentforge.inference import training_sampler
 
     sample_fn = training_sampler(tcfg, meta, run) if tcfg.sampling.prompts and world.is_main else None
-    flops, peak = _flops_and_peak(tcfg, device)
+    flops, peak = _flops_and_peak(tcfg, device, dict(model.config))
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
                       progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint)
     if resume_from is not None and progress and world.is_main:
@@ -161,7 +184,7 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
 
     before = to_dict(load_config(RunConfig, old).train)
     now = to_dict(cfg.train)
-    for key in ("unet", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma"):
+    for key in ("unet", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma", "init_from", "lora"):
         b, n = before.get(key), now.get(key)
         if key == "unet":  # data-filled fields were None in the user's config
             n = {k: (v if v is not None else b.get(k)) for k, v in n.items()}
@@ -171,19 +194,26 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
 
 
 def _phase_latent_shape(phase) -> tuple[int, int]:
-    """(latent side, caption tokens) of a phase's first dataset."""
-    index = read_index(phase.datasets[0].path)
-    return parse_ndarray(index.columns["latent_mean"])[1][1], parse_ndarray(index.columns["text_hidden"])[1][0]
+    """(latent side, caption tokens) of a phase's first dataset; for aspect-ratio buckets, the
+    square latent of the same area."""
+    path = phase.datasets[0].path
+    if is_bucketed(path):
+        index, (_, size, _) = bucketed_index(path)
+    else:
+        index = read_index(path)
+        size = parse_ndarray(index.columns["latent_mean"])[1][1]
+    return size, parse_ndarray(index.columns["text_hidden"])[1][0]
 
 
-def _flops_and_peak(cfg: TrainConfig, device: torch.device) -> tuple[list[float], float]:
+def _flops_and_peak(cfg: TrainConfig, device: torch.device,
+                    unet_config: dict[str, Any]) -> tuple[list[float], float]:
     """Model FLOPs per training image of each phase (its latent size) and the device's peak."""
     from latentforge.plan.flops import device_peak_flops, train_flops_per_image
 
     flops = []
     for phase in cfg.phases:
         size, text_len = _phase_latent_shape(phase)
-        flops.append(float(train_flops_per_image(cfg.unet, size, text_len)))
+        flops.append(float(train_flops_per_image(unet_config, size, text_len)))
     precision = "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda") else "fp32"
     peak, _ = device_peak_flops(device, precision)
     return flops, peak

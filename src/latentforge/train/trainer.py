@@ -35,6 +35,7 @@ from latentforge.distributed.env import World
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.unet import UNetConfig
 from latentforge.train.ema import EMA, EMAConfig
+from latentforge.train.finetune import LoRAConfig, load_trainable_state_dict, trainable_state_dict
 from latentforge.train.loggers import MetricLogger, close_loggers, open_loggers
 from latentforge.train.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm
 from latentforge.train.rng import rng_state, set_rng_state
@@ -120,6 +121,15 @@ class TrainConfig:
         "help": "stop (with a checkpoint) after this much training time; 0 = off. A rerun continues."})
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"],
                                                                       metadata={"help": "metric loggers"})
+    init_from: str = field(default="", metadata={
+        "help": "fine-tune: a local diffusers Stable Diffusion pipeline directory; the U-Net and the noise schedule "
+                "come from it (train.unet is unused), the data must be encoded with its VAE and text encoder"})
+    lora: LoRAConfig | None = field(default=None, metadata={
+        "help": "with init_from: train LoRA adapters on a frozen U-Net instead of all its weights; null = full"})
+    frozen_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
+        "help": "dtype of the frozen base weights of a LoRA run (bfloat16 halves them; needs precision bf16)"})
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute the U-Net blocks' activations in the backward pass: less memory, ~30% more compute"})
 
     def validate(self) -> None:
         if self.micro_batch_size == "auto":
@@ -138,6 +148,10 @@ class TrainConfig:
                 p.validate()
             except ConfigError as e:
                 raise ConfigError(f"phases[{i}].{e}") from None
+        if self.lora is not None and not self.init_from:
+            raise ConfigError("lora: LoRA adapts existing weights: set train.init_from to a diffusers pipeline directory")
+        if self.frozen_dtype != "float32" and (self.lora is None or self.precision != "bf16"):
+            raise ConfigError("frozen_dtype: bfloat16 base weights need train.lora and precision bf16 (autocast)")
 
 
 def batch_plan(micro: int, global_: int, world_size: int, field_name: str = "train.global_batch_size") -> int:
@@ -232,12 +246,14 @@ class Trainer:
         self.scaling_factor = float(vae["scaling_factor"])
         self.shift_factor = float(vae.get("shift_factor") or 0.0)
         self.alphas_cumprod = alphas_cumprod(cfg.noise).to(self.device)
+        # A LoRA run checkpoints and averages only what it trains: the base is the init_from directory.
+        self.trainable_only = cfg.lora is not None
         self.optimizer = build_optimizer(model.parameters(), cfg.optim, self.device.type)
         self.phase_batches = phase_batches(cfg, self.world.world_size)
         self.phase_steps = phase_num_steps(cfg, self.phase_batches)
         self.total_steps = sum(self.phase_steps)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps)
-        self.ema = EMA(model, cfg.ema) if cfg.ema is not None else None
+        self.ema = EMA(model, cfg.ema, trainable_only=self.trainable_only) if cfg.ema is not None else None
         self.step = 0
         self.phase = 0
         self.skipped_steps = 0
@@ -255,7 +271,8 @@ class Trainer:
     # ------------------------------------------------------------------ state
 
     def state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]]:
-        tensors = {"model": ckpt.clean_state_dict_keys(self.model.state_dict())}
+        weights = trainable_state_dict(self.model) if self.trainable_only else self.model.state_dict()
+        tensors = {"model": ckpt.clean_state_dict_keys(weights)}
         state: dict[str, Any] = {
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -286,7 +303,10 @@ class Trainer:
 
     def load(self, path: Path) -> dict[str, Any]:
         c = ckpt.load_checkpoint(path, map_location="cpu")
-        self.model.load_state_dict(c.tensors["model"])
+        if self.trainable_only:
+            load_trainable_state_dict(self.model, c.tensors["model"], str(path))
+        else:
+            self.model.load_state_dict(c.tensors["model"])
         self.optimizer.load_state_dict(c.state["optimizer"])
         self.lr_scheduler.load_state_dict(c.state["lr_scheduler"])
         set_rng_state(c.state["rng"])

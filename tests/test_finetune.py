@@ -1,0 +1,356 @@
+"""Fine-tuning a diffusers Stable Diffusion pipeline: full and LoRA, resume, export, bad input.
+
+Each test module builds tiny pipeline directories from configs and saves them as a real SD
+pipeline would be saved: an "sd1" layout (1x1-conv attention projections, epsilon) and an "sd2v"
+layout (linear projections, v-prediction with trailing spacing). The raw dataset (32 px) is
+encoded with ``latentforge encode --from DIR``, trained with ``latentforge finetune --from DIR``,
+and the exports are loaded with the real ``StableDiffusionPipeline`` offline.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import safetensors.torch
+import torch
+from diffusers import DDIMScheduler, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+from latentforge.cli import main
+from latentforge.config import apply_overrides, from_dict, load_config
+from latentforge.errors import ConfigError, UserError
+from latentforge.models.autoencoder import load_vae
+from latentforge.models.text import load_text_encoder
+from latentforge.train.run import TRAIN_CONFIG, RunConfig, train
+from latentforge.train.trainer import Trainer
+from test_trainer import Killed, assert_same_tensors, checkpoint_steps, kill_before_step, load_step, metrics
+from tiny_models import make_raw_dataset, make_tiny_clip, make_tiny_vae
+
+RES = 32  # pixels; the tiny VAE halves it: 16x16x4 latents
+STEPS = 4
+LORA_RANK = 2
+TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+LAYOUTS = {
+    # SD 1.x style: conv projections around attention, heads given as one number, epsilon.
+    "sd1": {"unet": {"use_linear_projection": False, "attention_head_dim": 2},
+            "scheduler": (PNDMScheduler, {"skip_prk_steps": True})},
+    # SD 2.x 768-v style: linear projections, per-block heads, v-prediction.
+    "sd2v": {"unet": {"use_linear_projection": True, "attention_head_dim": [1, 2]},
+             "scheduler": (DDIMScheduler, {"prediction_type": "v_prediction", "timestep_spacing": "trailing"})},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_offline():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+    torch.set_num_threads(before)
+
+
+def make_tiny_pipeline(root: Path, layout: str, seed: int = 0, vae_seed: int = 0) -> Path:
+    """A StableDiffusionPipeline directory of tiny random models, saved like a downloaded SD one."""
+    make_tiny_vae(root / "parts" / "vae", seed=vae_seed, scaling_factor=0.5, shift_factor=None)
+    make_tiny_clip(root / "parts" / "clip", seed=seed)
+    text, tokenizer = load_text_encoder(str(root / "parts" / "clip"))
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        sample_size=RES // 2, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=16, norm_num_groups=8, **LAYOUTS[layout]["unet"])
+    cls, extra = LAYOUTS[layout]["scheduler"]
+    scheduler = cls.from_config({"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+                                 "steps_offset": 1, "clip_sample": False, "set_alpha_to_one": False, **extra})
+    pipe = StableDiffusionPipeline(vae=load_vae(str(root / "parts" / "vae")), text_encoder=text, tokenizer=tokenizer,
+                                   unet=unet, scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    out = root / layout
+    pipe.save_pretrained(out, safe_serialization=True)
+    shutil.rmtree(root / "parts")
+    return out
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("finetune_assets")
+    out = {"raw": make_raw_dataset(root / "raw", n=16, resolution=RES, num_shards=2), "cache": root / "cache"}
+    for layout in LAYOUTS:
+        out[layout] = make_tiny_pipeline(root / "pipes", layout)
+        latents = root / f"latents-{layout}"
+        assert main(["encode", str(out["raw"]), "--from", str(out[layout]), "--out", str(latents), "--quiet",
+                     "encode.device=cpu", "encode.batch_size=8"]) == 0  # max_length 77, as SD
+        out[f"latents-{layout}"] = latents
+    return out
+
+
+def finetune_args(assets, layout: str, run_dir: Path, *overrides: str, steps: int = STEPS) -> list[str]:
+    return ["finetune", str(run_dir), "--from", str(assets[layout]), "--quiet",
+            f"train.phases=[{{datasets: [{{path: '{assets[f'latents-{layout}']}'}}], steps: {steps}}}]",
+            "train.micro_batch_size=4", "train.device=cpu", "train.loggers=[]", "train.log_every=1",
+            "train.checkpoint.every_steps=2", "train.checkpoint.keep_last=10", "train.optim.lr=1e-3",
+            "train.ema.decay=0.5", "loader.num_workers=0", f"loader.cache_dir={assets['cache']}", *overrides]
+
+
+def lora_overrides(*more: str) -> tuple[str, ...]:
+    return (f"train.lora={{rank: {LORA_RANK}, alpha: 4}}", "train.optim.lr=1e-2", *more)
+
+
+def base_unet_weights(pipe_dir: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(pipe_dir / "unet" / "diffusion_pytorch_model.safetensors")
+
+
+def pipeline(path: Path) -> StableDiffusionPipeline:
+    pipe = StableDiffusionPipeline.from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def latents_of(pipe: StableDiffusionPipeline, embeds: tuple[torch.Tensor, torch.Tensor], seed: int = 0):
+    """Sampled latents for fixed text conditioning (so that pipelines differing only in the U-Net compare)."""
+    return pipe(prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], num_inference_steps=3, guidance_scale=3.0,
+                height=RES, width=RES, generator=torch.Generator("cpu").manual_seed(seed), output_type="latent").images
+
+
+# ------------------------------------------------------------------ full fine-tuning
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_full_finetune_starts_from_the_base_resumes_exactly_and_exports(assets, layout, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    assert main(finetune_args(assets, layout, straight)) == 0
+    saved = load_config(RunConfig, straight / TRAIN_CONFIG)
+    expected_prediction = LAYOUTS[layout]["scheduler"][1].get("prediction_type", "epsilon")
+    assert saved.train.noise.prediction_type == expected_prediction  # taken from DIR/scheduler
+    assert saved.train.noise.timestep_spacing == LAYOUTS[layout]["scheduler"][1].get("timestep_spacing", "leading")
+
+    # Started from the base weights: Adam moves each weight by at most ~lr per step, while a fresh
+    # initialisation would differ from the base by O(0.1).
+    base = base_unet_weights(assets[layout])
+    trained = load_step(straight, STEPS).tensors["model"]
+    assert trained.keys() == base.keys()
+    drift = max(float((trained[k] - base[k]).abs().max()) for k in base)
+    assert 0 < drift <= 1.5 * STEPS * 1e-3
+
+    # A crash after the step-2 checkpoint, then `finetune` again: the same run bit for bit.
+    resumed = tmp_path / "resumed"
+    with monkeypatch.context() as m:
+        kill_before_step(m, 4)
+        with pytest.raises(Killed):
+            main(finetune_args(assets, layout, resumed))
+    assert checkpoint_steps(resumed) == [2]
+    assert main(finetune_args(assets, layout, resumed)) == 0
+    assert metrics(resumed) == metrics(straight)
+    assert_same_tensors(load_step(straight, STEPS), load_step(resumed, STEPS))
+
+    out = tmp_path / "export"
+    assert main(["export", "--checkpoint", str(straight), "--out", str(out)]) == 0
+    exported = safetensors.torch.load_file(out / "unet" / "diffusion_pytorch_model.safetensors")
+    ema = load_step(straight, STEPS).tensors["ema"]
+    assert all(torch.equal(exported[k], ema[k]) for k in ema)
+    pipe = pipeline(out)
+    assert pipe.scheduler.config.prediction_type == expected_prediction
+    assert dict(pipe.unet.config)["use_linear_projection"] == LAYOUTS[layout]["unet"]["use_linear_projection"]
+    images = pipe(["a red circle"], num_inference_steps=2, generator=torch.Generator("cpu").manual_seed(0),
+                  output_type="np").images
+    assert images.shape == (1, RES, RES, 3)
+
+
+def test_adamw8bit_and_activation_checkpointing_resume_exactly(assets, tmp_path, monkeypatch):
+    """bitsandbytes' 8-bit AdamW (its CPU kernels) with recomputed activations and the EMA in CPU memory."""
+    pytest.importorskip("bitsandbytes")
+    extra = ("train.optim.name=adamw8bit", "train.activation_checkpointing=true", "train.ema.device=cpu")
+    straight = tmp_path / "straight"
+    assert main(finetune_args(assets, "sd1", straight, *extra)) == 0
+    state = load_step(straight, STEPS).state["optimizer"]["state"]
+    moments = [v["__bnb_optimizer_quant_state__"]["state1"].dtype for v in state.values()]
+    assert torch.uint8 in moments  # 8-bit moments (tensors under 4096 elements keep float32 ones)
+    resumed = tmp_path / "resumed"
+    with monkeypatch.context() as m:
+        kill_before_step(m, 3)
+        with pytest.raises(Killed):
+            main(finetune_args(assets, "sd1", resumed, *extra))
+    assert main(finetune_args(assets, "sd1", resumed, *extra)) == 0
+    assert metrics(resumed) == metrics(straight)
+    assert_same_tensors(load_step(straight, STEPS), load_step(resumed, STEPS))
+
+
+# ------------------------------------------------------------------ LoRA
+
+
+def expected_lora_params(pipe_dir: Path) -> int:
+    """r x (in + out) per adapted Linear (A: r x in, B: out x r), counted from the base U-Net."""
+    unet = UNet2DConditionModel.from_pretrained(str(pipe_dir), subfolder="unet")
+    total = 0
+    for name, module in unet.named_modules():
+        if isinstance(module, torch.nn.Linear) and any(name.endswith("." + t) for t in TARGETS):
+            total += LORA_RANK * (module.in_features + module.out_features)
+    return total
+
+
+def test_lora_trains_only_the_adapters_and_exports_both_ways(assets, tmp_path, monkeypatch):
+    trainers: list[Trainer] = []
+    fit = Trainer.fit
+
+    def keep(self, resume_from=None):
+        trainers.append(self)
+        return fit(self, resume_from)
+
+    monkeypatch.setattr(Trainer, "fit", keep)
+    run_dir = tmp_path / "lora"
+    assert main(finetune_args(assets, "sd2v", run_dir, *lora_overrides())) == 0
+    (trainer,) = trainers
+    model = trainer.model
+
+    num_expected = expected_lora_params(assets["sd2v"])
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert num_expected > 0 and sum(p.numel() for p in trainable.values()) == num_expected
+    assert all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    optimized = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    assert sum(p.numel() for p in optimized) == num_expected
+    # The base weights are bitwise those of DIR/unet after training.
+    base = base_unet_weights(assets["sd2v"])
+    state = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if ".lora_" not in k}
+    assert state.keys() == base.keys()
+    assert all(torch.equal(state[k], base[k]) for k in base)
+    assert any(float(p.abs().max()) > 0 for n, p in trainable.items() if ".lora_B." in n)  # B started at 0
+
+    # Checkpoints hold the adapters (and their EMA) only.
+    c = load_step(run_dir, STEPS)
+    assert set(c.tensors["model"]) == set(trainable) == set(c.tensors["ema"])
+
+    merged, lora_dir = tmp_path / "merged", tmp_path / "lora-file"
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(merged)]) == 0
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(lora_dir), "--lora-file"]) == 0
+    assert (lora_dir / "pytorch_lora_weights.safetensors").is_file()
+    assert json.loads((lora_dir / "latentforge_export.json").read_text())["kind"] == "lora"
+    merged_pipe = pipeline(merged)
+    assert not [k for k in merged_pipe.unet.state_dict() if "lora" in k or "base_layer" in k]
+    with torch.no_grad():
+        embeds = merged_pipe.encode_prompt("a big blue square", "cpu", 1, True, "")
+    ours = latents_of(merged_pipe, embeds)
+
+    with_lora = pipeline(assets["sd2v"])
+    # encode --from encoded the captions as the stock pipeline runs its CLIP (no padding mask), so the
+    # base pipeline conditions exactly as the training data and the merged export do.
+    assert merged_pipe.text_encoder.config.use_attention_mask is False
+    with torch.no_grad():
+        base_embeds = with_lora.encode_prompt("a big blue square", "cpu", 1, True, "")
+    torch.testing.assert_close(base_embeds, embeds, rtol=0, atol=0)
+    without = latents_of(with_lora, embeds)
+    with_lora.load_lora_weights(str(lora_dir))
+    theirs = latents_of(with_lora, embeds)
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)  # merged = base + adapter file
+    assert float((ours - without).abs().max()) > 1e-3  # and the adapters changed the model
+
+
+def test_lora_resume_is_exact(assets, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    assert main(finetune_args(assets, "sd1", straight, *lora_overrides())) == 0
+    resumed = tmp_path / "resumed"
+    with monkeypatch.context() as m:
+        kill_before_step(m, 4)
+        with pytest.raises(Killed):
+            main(finetune_args(assets, "sd1", resumed, *lora_overrides()))
+    assert main(finetune_args(assets, "sd1", resumed, *lora_overrides())) == 0
+    assert metrics(resumed) == metrics(straight)
+    assert_same_tensors(load_step(straight, STEPS), load_step(resumed, STEPS))
+    # Resuming with another adapter shape is another run: refused.
+    assert main(finetune_args(assets, "sd1", resumed, *lora_overrides(), "train.lora.rank=3")) == 2
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _one_error_line(capsys, *words: str) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    # Loading a model shows transformers' progress bars on stderr; the error itself is one line.
+    err = [line for line in lines if line.startswith(("latentforge", "Traceback"))]
+    assert len(err) == 1 and err[0].startswith("latentforge: error: ") and lines[-1] == err[0], lines
+    for w in words:
+        assert w in err[0], err[0]
+    return err[0]
+
+
+def test_not_a_pipeline_directory_is_refused(assets, tmp_path, capsys):
+    not_pipe = tmp_path / "not_pipe"
+    not_pipe.mkdir()
+    (not_pipe / "notes.txt").write_text("x")
+    args = finetune_args(assets, "sd1", tmp_path / "run")
+    args[args.index("--from") + 1] = str(not_pipe)
+    assert main(args) == 2
+    _one_error_line(capsys, str(not_pipe), "not a diffusers pipeline directory", "model_index.json")
+    args[args.index("--from") + 1] = str(tmp_path / "missing")
+    assert main(args) == 2
+    _one_error_line(capsys, "no such directory")
+    assert not (tmp_path / "run").exists()
+
+
+def _copy_with(src: Path, dst: Path, component: str, edit) -> Path:
+    shutil.copytree(src, dst)
+    path = dst / component / "config.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    return dst
+
+
+@pytest.mark.parametrize("case, words", [
+    ("unet_text_dim", ["cross_attention_dim is 24", "16-d"]),
+    ("unet_channels", ["takes 8 latent channels", "have 4"]),
+    ("vae_scale", ["scaling_factor 0.25", "scaling_factor 0.5"]),
+    ("vae_weights", ["another VAE", "encode --from"]),
+    ("text_weights", ["another text encoder"]),
+])
+def test_data_encoded_with_other_models_is_refused(assets, tmp_path, capsys, case, words):
+    src, dst = assets["sd1"], tmp_path / "pipe"
+    if case == "unet_text_dim":
+        _copy_with(src, dst, "unet", lambda c: {**c, "cross_attention_dim": 24})
+    elif case == "unet_channels":
+        _copy_with(src, dst, "unet", lambda c: {**c, "in_channels": 8})
+    elif case == "vae_scale":
+        _copy_with(src, dst, "vae", lambda c: {**c, "scaling_factor": 0.25})
+    elif case == "vae_weights":  # same config, other weights
+        other = make_tiny_pipeline(tmp_path / "other", "sd1", vae_seed=1)
+        shutil.copytree(src, dst)
+        shutil.rmtree(dst / "vae")
+        shutil.copytree(other / "vae", dst / "vae")
+    else:
+        other = make_tiny_pipeline(tmp_path / "other", "sd1", seed=1)
+        shutil.copytree(src, dst)
+        shutil.rmtree(dst / "text_encoder")
+        shutil.copytree(other / "text_encoder", dst / "text_encoder")
+    args = finetune_args(assets, "sd1", tmp_path / "run")
+    args[args.index("--from") + 1] = str(dst)
+    assert main(args) == 2
+    _one_error_line(capsys, *words)
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_errors(assets, tmp_path, capsys):
+    args = finetune_args(assets, "sd1", tmp_path / "run")
+    assert main(args + ["train.noise.prediction_type=v_prediction"]) == 2
+    _one_error_line(capsys, "train.noise", "prediction_type", "remove train.noise")
+    assert main(args + ["train.unet.block_out_channels=[8,16]"]) == 2
+    _one_error_line(capsys, "train.unet", "init_from")
+    assert main(args + ["train.lora.target_modules=[nonexistent]"]) == 2
+    _one_error_line(capsys, "target_modules")
+    assert main(["encode", str(assets["raw"]), "--from", str(assets["sd1"]), "--vae", str(assets["sd1"]),
+                 "--out", str(tmp_path / "x")]) == 2
+    _one_error_line(capsys, "--from")
+    with pytest.raises(ConfigError, match="init_from"):
+        from_dict(RunConfig, apply_overrides({}, ["train.lora={rank: 2}"]))
+    with pytest.raises(ConfigError, match="frozen_dtype"):
+        from_dict(RunConfig, apply_overrides({}, ["train.init_from=x", "train.lora={rank: 2}",
+                                                  "train.frozen_dtype=bfloat16"]))
+    full = tmp_path / "full"
+    assert main(finetune_args(assets, "sd1", full, "train.ema=null", steps=1)) == 0
+    assert main(["export", "--checkpoint", str(full), "--out", str(tmp_path / "e"), "--lora-file"]) == 2
+    _one_error_line(capsys, "not a LoRA run")
+    with pytest.raises(UserError):
+        train(from_dict(RunConfig, apply_overrides({}, [
+            f"train.init_from={tmp_path}", f"train.phases=[{{datasets: [{{path: '{assets['latents-sd1']}'}}], steps: 1}}]"])),
+            tmp_path / "r2", progress=False)
