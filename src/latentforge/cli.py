@@ -81,6 +81,8 @@ def cmd_train(ns, overrides):
     from latentforge.train.run import RunConfig, train
 
     recipe = _recipe(ns, overrides, {})
+    if ns.ray:
+        return _train_on_ray(ns, recipe)
     world = init_world(recipe.train.device)  # torchrun / SLURM: RANK, WORLD_SIZE; else one process
     try:
         summary = train(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, resume=ns.resume,
@@ -91,6 +93,30 @@ def cmd_train(ns, overrides):
         return
     state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
     print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s -> {ns.run_dir}")
+
+
+def _ray_config(ns):
+    from latentforge.distributed.ray_launch import RayConfig
+
+    given = {k: getattr(ns, k) for k in ("address", "num_workers", "gpus_per_worker", "cpus_per_worker",
+                                         "max_failures", "storage") if getattr(ns, k, None) is not None}
+    return RayConfig(**given)
+
+
+def _train_on_ray(ns, recipe):
+    from latentforge.distributed.ray_launch import train_on_ray
+    from latentforge.train.run import RunConfig
+
+    if ns.resume != "auto":
+        raise UserError("train --ray: always resumes from the newest complete checkpoint (--resume auto)")
+    summary = train_on_ray(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, _ray_config(ns), ns.quiet)
+    state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
+    print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s on Ray -> {ns.run_dir}")
+
+
+def _add_ray_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--ray", action="store_true", help="run on Ray (a local instance unless --address)")
+    sp.add_argument("--address", help="Ray cluster address (host:6379, ray://host:10001 or auto)")
 
 
 def cmd_sample(ns, overrides):
@@ -184,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
              "resumes from the newest complete checkpoint")
     sp.add_argument("run_dir", metavar="RUN_DIR", help="run directory: checkpoints, logs, samples")
     sp.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a checkpoint dir")
+    _add_ray_arguments(sp)
+    sp.add_argument("--num-workers", dest="num_workers", type=int, help="--ray: training processes (default 1)")
+    sp.add_argument("--gpus-per-worker", dest="gpus_per_worker", type=float,
+                    help="--ray: GPUs per worker (default 1 if the cluster has GPUs, else 0)")
+    sp.add_argument("--cpus-per-worker", dest="cpus_per_worker", type=float,
+                    help="--ray: CPUs per worker (default 1 on a cluster; a share of the cores locally)")
+    sp.add_argument("--max-failures", dest="max_failures", type=int,
+                    help="--ray: restarts after a worker failure, each from the newest checkpoint (default 2)")
+    sp.add_argument("--storage", help="--ray: Ray Train storage, a shared path or s3://bucket/prefix "
+                    "(default RUN_DIR/ray); on S3 each checkpoint is uploaded")
 
     sp = add("sample", cmd_sample, "generate images and a grid from a checkpoint (or a run's newest one)")
     sp.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory")
