@@ -7,6 +7,9 @@ starting one costs several seconds, a 2-worker TorchTrainer about 30 s more on t
 
 from __future__ import annotations
 
+import contextlib
+import io
+import itertools
 import json
 import os
 import shutil
@@ -14,16 +17,24 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import ray
 import torch
+import yaml
 
 from latentforge import checkpoint as ckpt
-from latentforge.config import apply_overrides, from_dict
+from latentforge.cli import main as cli_main
+from latentforge.config import apply_overrides, from_dict, to_dict
 from latentforge.distributed.ray_launch import FAIL_ENV, RayConfig, local_temp_dir, resources_per_worker, train_on_ray
+from latentforge.data.encode import CONFIG_FILE, EMPTY_PROMPT, REJECTED, EncodeConfig, encode_dataset
+from latentforge.data.loader import LoaderConfig, StreamConfig, build_loader
+from latentforge.data.schema import INDEX, decode_value, read_index, read_shard
+from latentforge.distributed.ray_data import OnlineSource, encode_on_ray
 from latentforge.errors import ConfigError
-from latentforge.train.run import RunConfig, train
-from latent_fixtures import latent_data  # noqa: F401  (session fixture)
+from latentforge.train.run import DATA_META, RunConfig, train
+from latent_fixtures import TEXT_LEN, latent_data  # noqa: F401  (session fixture)
+from tiny_models import make_raw_dataset
 
 
 
@@ -79,52 +90,59 @@ def plain_run(latent_data, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_run(latent_data, tmp_path_factory, ray_instance) -> tuple[Path, dict[str, Any]]:
-    run_dir = tmp_path_factory.mktemp("ray")
-    summary = train_on_ray(run_config(latent_data), run_dir, RayConfig(num_workers=2), quiet=True)
-    return run_dir, summary
+def ray_run(latent_data, tmp_path_factory, ray_instance) -> tuple[Path, Path, str]:
+    """``latentforge train --ray --num-workers 2``, in which rank 1 exits abruptly right after
+    checkpoint 4 (once). One Ray Train run serves both the comparison with one process and the
+    recovery test: each costs about a minute here."""
+    root = tmp_path_factory.mktemp("ray")
+    run_dir, marker, recipe = root / "run", root / "failed-once", root / "recipe.yaml"
+    cfg = to_dict(run_config(latent_data))
+    recipe.write_text(yaml.safe_dump({"train": cfg["train"], "loader": cfg["data"]}))
+    os.environ[FAIL_ENV] = f"1:4:{marker}"
+    try:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli_main(["train", str(run_dir), "--recipe", str(recipe), "--ray", "--num-workers", "2",
+                             "--max-failures", "1", "--quiet"])
+    finally:
+        del os.environ[FAIL_ENV]
+    assert code == 0
+    return run_dir, marker, out.getvalue()
 
 
 def test_two_ray_workers_run_to_the_end_like_one_process(plain_run, ray_run):
     """Same steps and samples as one process with the same global batch. The first loss (same
     initial weights, same 8 samples and noise, averaged over the ranks) agrees to fp tolerance."""
-    run_dir, summary = ray_run
-    assert summary["step"] == STEPS and summary["finished"]
+    run_dir, _, stdout = ray_run
+    assert stdout.strip().splitlines()[-1].startswith(f"train: finished at step {STEPS} ")
     a, b = metrics(plain_run), metrics(run_dir)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     assert [r["samples_seen"] for r in b] == [r["samples_seen"] for r in a] == [8 * s for s in range(1, STEPS + 1)]
     assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-5)
-    assert b[0]["lr"] == a[0]["lr"]
-    assert checkpoint_entries(run_dir) == [ckpt.checkpoint_dir_name(s) for s in range(EVERY, STEPS + 1, EVERY)]
+    assert [r["lr"] for r in b] == [r["lr"] for r in a]
     last = ckpt.load_checkpoint(ckpt.find_latest(run_dir))
     assert last.meta["world_size"] == 2 and last.meta["step"] == STEPS
-    # Each checkpoint was reported to Ray as a pointer as soon as it was complete.
-    pointers = sorted((run_dir / "ray" / "latentforge").glob("checkpoint_*/latentforge_checkpoint.json"))
-    assert [json.loads(p.read_text())["step"] for p in pointers] == list(range(EVERY, STEPS + 1, EVERY))
 
 
-def test_killed_worker_restarts_from_the_newest_checkpoint(latent_data, ray_run, tmp_path, monkeypatch):
-    """Rank 1 exits abruptly right after checkpoint 4; FailureConfig restarts the worker group,
-    which resumes from step 4 (not an older one: checkpoints 2 and 4 are never rewritten) and
-    finishes with the same steps and samples as the uninterrupted run, leaving no partial
-    checkpoint behind."""
-    run_dir = tmp_path / "run"
-    marker = tmp_path / "failed-once"
-    monkeypatch.setenv(FAIL_ENV, f"1:4:{marker}")
-    summary = train_on_ray(run_config(latent_data), run_dir, RayConfig(num_workers=2, max_failures=1), quiet=True)
+def test_killed_worker_restarts_from_the_newest_checkpoint(ray_run):
+    """Rank 1 exited abruptly right after checkpoint 4; FailureConfig restarted the worker group,
+    which resumed from step 4 (not an older one: checkpoints 2 and 4 were never rewritten) and
+    finished with every step logged once, leaving no partial checkpoint behind. Every checkpoint
+    was reported to Ray as soon as it was complete (4 before the failure)."""
+    run_dir, marker, _ = ray_run
     assert marker.exists(), "the worker never failed: nothing was tested"
-    assert summary["step"] == STEPS and summary["finished"]
     assert checkpoint_entries(run_dir) == [ckpt.checkpoint_dir_name(s) for s in range(EVERY, STEPS + 1, EVERY)]
     crashed_at = marker.stat().st_mtime
     saved = {s: ckpt.load_checkpoint(run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(s)).meta["saved_unix"]
              for s in range(EVERY, STEPS + 1, EVERY)}
     assert saved[2] < saved[4] <= crashed_at < saved[6] < saved[8]
-    uninterrupted = metrics(ray_run[0])
-    records = metrics(run_dir)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert [r["samples_seen"] for r in records] == [r["samples_seen"] for r in uninterrupted]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
     final = ckpt.load_checkpoint(ckpt.find_latest(run_dir))
     assert final.meta["loader"] is None and final.meta["phase"] == 1
+    pointers = sorted((run_dir / "ray" / "latentforge").glob("checkpoint_*/latentforge_checkpoint.json"))
+    steps = [json.loads(p.read_text())["step"] for p in pointers]
+    assert steps == list(range(EVERY, STEPS + 1, EVERY))
+    assert all(p.stat().st_mtime <= crashed_at for p, s in zip(pointers, steps) if s <= 4)
 
 
 def test_config_errors_are_raised_by_the_driver_not_retried(latent_data, tmp_path):
@@ -150,3 +168,108 @@ def test_worker_resources_leave_room_for_ray_on_two_cores():
     cluster = resources_per_worker(RayConfig(address="auto", num_workers=8), {"CPU": 64.0, "GPU": 8.0})
     assert cluster == {"CPU": 1.0, "GPU": 1.0}
     assert resources_per_worker(RayConfig(address="auto", gpus_per_worker=0), {"GPU": 8.0}) == {"CPU": 1.0}
+
+
+# ------------------------------------------------------------------------------- encoding
+
+
+def _latent_rows(root: Path) -> list[dict[str, Any]]:
+    index = read_index(str(root))
+    return [{k: decode_value(v, index.columns[k]) for k, v in r.items()}
+            for s in index.shards for r in read_shard(str(root / s.name)).to_pylist()]
+
+
+def test_ray_data_encode_equals_the_local_encode_and_resumes_per_shard(latent_data, tmp_path, ray_instance):
+    """3 raw shards with one undecodable image, 2 encoder actors with batches that cross shard
+    boundaries: the same shards, samples, order, rejects and index meta as ``encode_dataset``,
+    values equal up to float16 rounding. A rerun re-encodes only the shard whose record is gone."""
+    raw = make_raw_dataset(tmp_path / "raw", n=30, resolution=16, num_shards=3, seed=5, bad_images=[4])
+    cfg = EncodeConfig(vae=str(latent_data["vae"]), text_encoder=str(latent_data["bert"]), max_length=TEXT_LEN,
+                       batch_size=7, device="cpu")
+    local, remote = tmp_path / "local", tmp_path / "ray"
+    expected = encode_dataset(str(raw), str(local), cfg, progress=False)
+    assert encode_on_ray(str(raw), str(remote), cfg, RayConfig(), num_actors=2, progress=False) == expected
+    assert expected["rejected"] == {"undecodable_image": 1}
+
+    a, b = read_index(str(local)), read_index(str(remote))
+    assert b.meta == a.meta and b.columns == a.columns
+    assert [(s.name, s.num_samples) for s in b.shards] == [(s.name, s.num_samples) for s in a.shards]
+    for name in (REJECTED, EMPTY_PROMPT, CONFIG_FILE):
+        assert (remote / name).read_bytes() == (local / name).read_bytes(), name
+    rows_a, rows_b = _latent_rows(local), _latent_rows(remote)
+    assert [r["key"] for r in rows_b] == [r["key"] for r in rows_a] and len(rows_a) == 29
+    for ra, rb in zip(rows_a, rows_b):
+        for k, v in ra.items():
+            if isinstance(v, np.ndarray):
+                np.testing.assert_allclose(rb[k].astype(np.float32), v.astype(np.float32), rtol=2e-3, atol=2e-3,
+                                           err_msg=k)
+            else:
+                assert rb[k] == v, k
+
+    middle = b.shards[1].name
+    before = {s.name: (remote / s.name).stat().st_mtime_ns for s in b.shards}
+    (remote / ".progress" / f"{middle}.json").unlink()
+    assert encode_on_ray(str(raw), str(remote), cfg, RayConfig(), num_actors=1, progress=False) == expected
+    after = {s.name: (remote / s.name).stat().st_mtime_ns for s in b.shards}
+    assert [n for n in before if after[n] != before[n]] == [middle]
+    assert (remote / INDEX).exists()
+
+
+def _loader_cfg(data: dict[str, Path], path: Path) -> LoaderConfig:
+    return LoaderConfig(datasets=[StreamConfig(path=str(path))], seed=1, caption_dropout=0.3, num_workers=0,
+                        shuffle_window_shards=2, cache_dir=str(data["cache"]))
+
+
+def _online_source(data: dict[str, Path]) -> OnlineSource:
+    """The encode settings ``latent_fixtures`` made latent16 with."""
+    return OnlineSource(EncodeConfig(vae=str(data["vae"]), text_encoder=str(data["bert"]), max_length=TEXT_LEN,
+                                     batch_size=32, device="cpu"), num_actors=1)
+
+
+def _assert_same_batches(online: list[dict], precomputed: list[dict]) -> None:
+    assert len(online) == len(precomputed)
+    for x, y in zip(online, precomputed):
+        assert sorted(x) == sorted(y)
+        for k, v in y.items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                assert x[k].dtype == v.dtype and x[k].shape == v.shape, k
+                torch.testing.assert_close(x[k].float(), v.float(), rtol=2e-3, atol=2e-3, msg=k)
+            elif isinstance(v, torch.Tensor):
+                assert torch.equal(x[k], v), k
+            else:
+                assert x[k] == v, k
+
+
+def test_online_encoded_batches_equal_precomputed_ones_and_resume(latent_data, ray_instance):
+    """raw16 encoded by a Ray actor during loading vs latent16 (its offline encode): the same
+    batches (positions, keys, dropped captions, latents, text states), also after resuming from a
+    cursor saved mid-stream."""
+    source = _online_source(latent_data)
+    online = source.build_loader(_loader_cfg(latent_data, latent_data["raw16"]), 4)
+    pre = build_loader(_loader_cfg(latent_data, latent_data["latent16"]), 4)
+    first = list(itertools.islice(iter(online), 3))
+    _assert_same_batches(first, list(itertools.islice(iter(pre), 3)))
+    assert sum(sum(b["_caption_dropped"]) for b in first) > 0, "no caption dropped: the empty prompt is untested"
+    state = online.state_dict()
+    assert state["cursor"] == 12 == pre.cursor
+    online.close()
+
+    resumed = source.build_loader(_loader_cfg(latent_data, latent_data["raw16"]), 4)
+    resumed.load_state_dict(state)
+    _assert_same_batches(list(itertools.islice(iter(resumed), 3)), list(itertools.islice(iter(pre), 3)))
+    resumed.close()
+    pre.close()
+
+
+def test_training_on_online_encoded_raw_shards_equals_precomputed(latent_data, plain_run, tmp_path, ray_instance):
+    """The same run on raw16 with online encoding: every step's loss and grad norm as on latent16."""
+    cfg = run_config(latent_data, f"train.phases.0.datasets.0.path={latent_data['raw16']}")
+    run_dir = tmp_path / "online"
+    assert train(cfg, run_dir, progress=False, source=_online_source(latent_data))["step"] == STEPS
+    a, b = metrics(plain_run), metrics(run_dir)
+    assert [r["samples_seen"] for r in b] == [r["samples_seen"] for r in a]
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), ra["step"]
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-3), ra["step"]
+    saved = json.loads((run_dir / DATA_META).read_text())
+    assert saved == json.loads((plain_run / DATA_META).read_text())

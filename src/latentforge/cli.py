@@ -56,7 +56,13 @@ def cmd_encode(ns, overrides):
 
     recipe = _recipe(ns, overrides, {"encode.vae": ns.vae, "encode.text_encoder": ns.text_encoder,
                                      "encode.batch_size": ns.batch_size})
-    summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
+    if ns.ray:
+        from latentforge.distributed.ray_data import encode_on_ray
+
+        summary = encode_on_ray(ns.raw_dir, ns.out, recipe.encode, _ray_config(ns), ns.num_actors or 1,
+                                progress=not ns.quiet)
+    else:
+        summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
     print(f"encode: seen {summary['seen']}, written {summary['written']}, rejected "
           f"{sum(summary['rejected'].values())} -> {ns.out}")
 
@@ -81,7 +87,7 @@ def cmd_train(ns, overrides):
     from latentforge.train.run import RunConfig, train
 
     recipe = _recipe(ns, overrides, {})
-    if ns.ray:
+    if ns.ray or ns.online_encode:
         return _train_on_ray(ns, recipe)
     world = init_world(recipe.train.device)  # torchrun / SLURM: RANK, WORLD_SIZE; else one process
     try:
@@ -104,12 +110,25 @@ def _ray_config(ns):
 
 
 def _train_on_ray(ns, recipe):
-    from latentforge.distributed.ray_launch import train_on_ray
-    from latentforge.train.run import RunConfig
+    """``train --ray`` (Ray Train workers) and/or ``--online-encode`` (Ray encoder actors)."""
+    from latentforge.distributed.ray_launch import ray_session, train_on_ray
+    from latentforge.train.run import RunConfig, train
 
-    if ns.resume != "auto":
-        raise UserError("train --ray: always resumes from the newest complete checkpoint (--resume auto)")
-    summary = train_on_ray(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, _ray_config(ns), ns.quiet)
+    cfg = RunConfig(train=recipe.train, data=recipe.loader)
+    ray_cfg = _ray_config(ns)
+    online = (recipe.encode, ns.num_actors or 1) if ns.online_encode else None
+    if ns.ray:
+        if ns.resume != "auto":
+            raise UserError("train --ray: always resumes from the newest complete checkpoint (--resume auto)")
+        summary = train_on_ray(cfg, ns.run_dir, ray_cfg, ns.quiet, online=online)
+    else:  # one training process, encoder actors on a local Ray instance or --address
+        from pathlib import Path
+
+        from latentforge.distributed.ray_data import OnlineSource
+
+        source = OnlineSource(online[0], online[1], ray_cfg)
+        with ray_session(ray_cfg, Path(ns.run_dir), ns.quiet):
+            summary = train(cfg, ns.run_dir, resume=ns.resume, progress=not ns.quiet, source=source)
     state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
     print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s on Ray -> {ns.run_dir}")
 
@@ -198,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--text-encoder", dest="text_encoder", help="transformers text encoder directory or hub id")
     sp.add_argument("--out", required=True, help="output directory (local)")
     sp.add_argument("--batch-size", dest="batch_size", type=int, help="encode.batch_size")
+    _add_ray_arguments(sp)
+    sp.add_argument("--num-actors", dest="num_actors", type=int,
+                    help="--ray: encoder actors, each with a copy of the VAE and text encoder (default 1)")
 
     sp = add("train-vae", cmd_train_vae, "train a small AutoencoderKL from scratch on raw shards; measures the latent "
              "scale factor and writes a diffusers VAE directory")
@@ -220,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--ray: restarts after a worker failure, each from the newest checkpoint (default 2)")
     sp.add_argument("--storage", help="--ray: Ray Train storage, a shared path or s3://bucket/prefix "
                     "(default RUN_DIR/ray); on S3 each checkpoint is uploaded")
+    sp.add_argument("--online-encode", dest="online_encode", action="store_true",
+                    help="the phases list raw datasets, encoded during training by Ray actors with the "
+                    "recipe's encode section (VAE, text encoder)")
+    sp.add_argument("--num-actors", dest="num_actors", type=int,
+                    help="--online-encode: encoder actors per training process (default 1)")
 
     sp = add("sample", cmd_sample, "generate images and a grid from a checkpoint (or a run's newest one)")
     sp.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory")

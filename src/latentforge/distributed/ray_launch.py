@@ -207,6 +207,14 @@ def worker_loop(config: dict[str, Any]) -> None:
 
     run_cfg = from_dict(RunConfig, config["run"])
     run_dir = Path(config["run_dir"])
+    source = None
+    if config.get("online"):
+        from latentforge.data.encode import EncodeConfig
+        from latentforge.distributed.ray_data import OnlineSource
+
+        online = config["online"]
+        source = OnlineSource(from_dict(EncodeConfig, online["encode"]), online["num_actors"],
+                              from_dict(RayConfig, online["ray"]))
     upload = bool(config["upload"])
     world = init_world(run_cfg.train.device)
     try:
@@ -220,7 +228,8 @@ def worker_loop(config: dict[str, Any]) -> None:
             _report(ray_train, path, step, world.is_main, upload)
             _maybe_fail(config.get("fail_after_checkpoint"), world.rank, step)
 
-        summary = train(run_cfg, run_dir, resume="auto", progress=False, world=world, on_checkpoint=on_checkpoint)
+        summary = train(run_cfg, run_dir, resume="auto", progress=False, world=world, on_checkpoint=on_checkpoint,
+                        source=source)
         ray_train.report({k: summary[k] for k in ("step", "finished", "seconds", "skipped_steps")})
     finally:
         close_world()
@@ -230,8 +239,10 @@ def worker_loop(config: dict[str, Any]) -> None:
 # The driver
 
 
-def train_on_ray(run_cfg: Any, run_dir: str | Path, cfg: RayConfig, quiet: bool = False) -> dict[str, Any]:
+def train_on_ray(run_cfg: Any, run_dir: str | Path, cfg: RayConfig, quiet: bool = False,
+                 online: tuple[Any, int] | None = None) -> dict[str, Any]:
     """Run ``train(run_cfg, run_dir, resume="auto")`` on ``cfg.num_workers`` Ray Train workers.
+    ``online``: (EncodeConfig, encoder actors per worker) to train on raw shards encoded online.
     Returns ``{"step", "finished", "seconds"}``, read from the run directory's newest checkpoint."""
     import time
 
@@ -244,7 +255,14 @@ def train_on_ray(run_cfg: Any, run_dir: str | Path, cfg: RayConfig, quiet: bool 
         raise UserError(f"{run_dir}: the run directory must be a shared filesystem path; put --storage on S3")
     run_dir = Path(run_dir).expanduser().resolve()  # workers may start in another directory
     # Config errors are found here: in a worker they would be retried max_failures times.
-    latent_meta(run_cfg.train)
+    online_config = None
+    source = None
+    if online is not None:
+        from latentforge.distributed.ray_data import OnlineSource
+
+        source = OnlineSource(online[0], online[1], cfg)
+        online_config = {"encode": to_dict(online[0]), "num_actors": online[1], "ray": to_dict(cfg)}
+    latent_meta(run_cfg.train, source)
     total_steps = sum(phase_num_steps(run_cfg.train, phase_batches(run_cfg.train, cfg.num_workers)))
     store = cfg.storage or str(run_dir / "ray")
     upload = storage.is_s3(store)
@@ -259,7 +277,7 @@ def train_on_ray(run_cfg: Any, run_dir: str | Path, cfg: RayConfig, quiet: bool 
         trainer = TorchTrainer(
             worker_loop,
             train_loop_config={"run": to_dict(run_cfg), "run_dir": str(run_dir), "upload": upload,
-                               "fail_after_checkpoint": os.environ.get(FAIL_ENV)},
+                               "fail_after_checkpoint": os.environ.get(FAIL_ENV), "online": online_config},
             scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu="GPU" in per_worker,
                                          resources_per_worker=per_worker),
             run_config=RunConfig(

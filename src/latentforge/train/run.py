@@ -41,7 +41,18 @@ class RunConfig:
         "help": "loader settings (seed, workers, caption dropout, cache); datasets come from train.phases"})
 
 
-def latent_meta(cfg: TrainConfig) -> dict[str, Any]:
+@dataclass
+class DataSource:
+    """How a run reads its phases' datasets: precomputed latent shards (the default), or e.g.
+    raw shards encoded online (``distributed/ray_data.py``). ``read_index(path)`` must describe
+    a dataset as latent shards; ``build_loader(cfg, micro_batch_size, rank, world_size)`` returns
+    a loader with TrainLoader's interface."""
+
+    read_index: Callable[[str], Any] = read_index
+    build_loader: Callable[..., Any] = build_loader
+
+
+def latent_meta(cfg: TrainConfig, source: DataSource | None = None) -> dict[str, Any]:
     """The meta of the phases' latent datasets, checked to agree with each other and the U-Net."""
     if not cfg.phases:
         raise ConfigError("train.phases: empty: add at least one phase with datasets and steps")
@@ -50,7 +61,7 @@ def latent_meta(cfg: TrainConfig) -> dict[str, Any]:
         if not phase.datasets:
             raise ConfigError(f"train.phases[{i}].datasets: empty: list the latent datasets of this phase")
         for j, ds in enumerate(phase.datasets):
-            index = read_index(ds.path)
+            index = (source or DataSource()).read_index(ds.path)
             where = f"train.phases[{i}].datasets[{j}]"
             if index.kind != "latent":
                 raise ConfigError(f"{where}.path: {ds.path} holds {index.kind!r} shards; train on encoded (latent) "
@@ -110,14 +121,17 @@ def pick_device(name: str) -> torch.device:
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: bool = True,
-          world: World | None = None, on_checkpoint: Callable[[Path, int], None] | None = None) -> dict[str, Any]:
+          world: World | None = None, on_checkpoint: Callable[[Path, int], None] | None = None,
+          source: DataSource | None = None) -> dict[str, Any]:
     """Run (or resume) the training of ``cfg`` in ``run_dir``; returns the trainer's summary.
     ``world``: from :func:`latentforge.distributed.env.init_world` (None = a single process);
-    ``on_checkpoint(path, step)``: called on every rank after each complete checkpoint."""
+    ``on_checkpoint(path, step)``: called on every rank after each complete checkpoint;
+    ``source``: where batches come from (None = precomputed latent shards)."""
     world = world or World()
+    source = source or DataSource()
     run = Path(run_dir)
     tcfg = cfg.train
-    meta = latent_meta(tcfg)
+    meta = latent_meta(tcfg, source)
     phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
     unet_cfg = resolve_unet_config(tcfg.unet, meta)
     tcfg = replace(tcfg, unet=unet_cfg)
@@ -135,12 +149,12 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
 
     def make_loader(phase: int, micro: int):
         loader_cfg = replace(cfg.data, datasets=tcfg.phases[phase].datasets)
-        return build_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
+        return source.build_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
 
     from latentforge.inference import training_sampler
 
     sample_fn = training_sampler(tcfg, meta, run) if tcfg.sampling.prompts and world.is_main else None
-    flops, peak = _flops_and_peak(tcfg, device)
+    flops, peak = _flops_and_peak(tcfg, device, source)
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
                       progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint)
     if resume_from is not None and progress and world.is_main:
@@ -166,13 +180,13 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
                             f"({TRAIN_CONFIG}); use a new run directory or restore the setting")
 
 
-def _flops_and_peak(cfg: TrainConfig, device: torch.device) -> tuple[list[float], float]:
+def _flops_and_peak(cfg: TrainConfig, device: torch.device, source: DataSource) -> tuple[list[float], float]:
     """Model FLOPs per training image of each phase (its latent size) and the device's peak."""
     from latentforge.plan.flops import device_peak_flops, train_flops_per_image
 
     flops = []
     for phase in cfg.phases:
-        index = read_index(phase.datasets[0].path)
+        index = source.read_index(phase.datasets[0].path)
         _, size, _ = parse_ndarray(index.columns["latent_mean"])[1]
         text_len = parse_ndarray(index.columns["text_hidden"])[1][0]
         flops.append(float(train_flops_per_image(cfg.unet, size, text_len)))
