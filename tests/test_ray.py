@@ -164,6 +164,8 @@ def test_worker_resources_leave_room_for_ray_on_two_cores():
     local = resources_per_worker(RayConfig(num_workers=2), {"CPU": 2.0})
     assert local == {"CPU": 0.875}
     assert resources_per_worker(RayConfig(num_workers=1), {"CPU": 2.0}) == {"CPU": 1.0}
+    # with an online encoder actor beside each worker: 4 processes share 1.75 cores
+    assert resources_per_worker(RayConfig(num_workers=2), {"CPU": 2.0}, actors_per_worker=1) == {"CPU": 0.4375}
     cluster = resources_per_worker(RayConfig(address="auto", num_workers=8), {"CPU": 64.0, "GPU": 8.0})
     assert cluster == {"CPU": 1.0, "GPU": 1.0}
     assert resources_per_worker(RayConfig(address="auto", gpus_per_worker=0), {"GPU": 8.0}) == {"CPU": 1.0}
@@ -272,3 +274,45 @@ def test_training_on_online_encoded_raw_shards_equals_precomputed(latent_data, p
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-3), ra["step"]
     saved = json.loads((run_dir / DATA_META).read_text())
     assert saved == json.loads((plain_run / DATA_META).read_text())
+
+
+def test_a_checkpoint_uploaded_to_s3_is_restored_into_a_run_dir_that_lacks_it(plain_run, tmp_path, monkeypatch):
+    """The restore half of ``--storage s3://``: Ray's newest checkpoint (here uploaded to a local
+    S3 server the way Ray's default upload does, with pyarrow) is newer than the run directory's,
+    so it is downloaded into RUN_DIR/checkpoints whole; one that is not newer is left alone."""
+    import pyarrow.fs as pafs
+    from ray.train import Checkpoint
+
+    from latentforge.distributed.ray_launch import _restore_uploaded
+    from s3_server import new_bucket, start_moto, use_endpoint
+
+    url, stop = start_moto()
+    try:
+        use_endpoint(url, monkeypatch)
+        bucket = new_bucket()
+        fs = pafs.S3FileSystem(endpoint_override=url, access_key="testing", secret_key="testing",
+                               region="us-east-1", scheme="http")
+        newest = ckpt.find_latest(plain_run)
+        remote = f"{bucket}/ray/latentforge/checkpoint_0001"
+        pafs.copy_files(str(newest), remote, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+        class FakeTrain:  # ray.train's get_checkpoint() as a restarted worker sees it
+            @staticmethod
+            def get_checkpoint():
+                return Checkpoint(remote, filesystem=fs)
+
+        run_dir = tmp_path / "run"
+        shutil.copytree(plain_run / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(EVERY),
+                        run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(EVERY))
+        _restore_uploaded(FakeTrain, run_dir)
+        restored = ckpt.find_latest(run_dir)
+        assert restored.name == newest.name
+        a, b = ckpt.load_checkpoint(restored), ckpt.load_checkpoint(newest)  # sha256 of every file checked
+        assert a.meta == b.meta and all(torch.equal(a.tensors["model"][k], v) for k, v in b.tensors["model"].items())
+        assert checkpoint_entries(run_dir) == [ckpt.checkpoint_dir_name(EVERY), newest.name]
+
+        before = restored.stat().st_mtime_ns
+        _restore_uploaded(FakeTrain, run_dir)  # not newer than the run directory's: nothing happens
+        assert restored.stat().st_mtime_ns == before
+    finally:
+        stop()

@@ -33,7 +33,7 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -132,14 +132,16 @@ def ray_session(cfg: RayConfig, run_dir: Path, quiet: bool = False) -> Iterator[
             shutil.rmtree(fallback, ignore_errors=True)
 
 
-def resources_per_worker(cfg: RayConfig, cluster: dict[str, float]) -> dict[str, float]:
-    """CPU and GPU of each worker (see the fields' help)."""
+def resources_per_worker(cfg: RayConfig, cluster: dict[str, float], actors_per_worker: int = 0) -> dict[str, float]:
+    """CPU and GPU of each worker (see the fields' help). ``actors_per_worker``: online encoder
+    actors each worker starts; on a local instance they get the same CPU share as a worker."""
     gpus = cfg.gpus_per_worker
     if gpus is None:
         gpus = 1.0 if cluster.get("GPU", 0) > 0 else 0.0
     cpus = cfg.cpus_per_worker
     if cpus is None:
-        cpus = 1.0 if cfg.address else min(1.0, max(0.05, (cluster.get("CPU", 1) - 0.25) / cfg.num_workers))
+        processes = cfg.num_workers * (1 + actors_per_worker)
+        cpus = 1.0 if cfg.address else min(1.0, max(0.05, (cluster.get("CPU", 1) - 0.25) / processes))
     out = {"CPU": cpus}
     if gpus:
         out["GPU"] = gpus
@@ -255,13 +257,11 @@ def train_on_ray(run_cfg: Any, run_dir: str | Path, cfg: RayConfig, quiet: bool 
         raise UserError(f"{run_dir}: the run directory must be a shared filesystem path; put --storage on S3")
     run_dir = Path(run_dir).expanduser().resolve()  # workers may start in another directory
     # Config errors are found here: in a worker they would be retried max_failures times.
-    online_config = None
     source = None
     if online is not None:
         from latentforge.distributed.ray_data import OnlineSource
 
         source = OnlineSource(online[0], online[1], cfg)
-        online_config = {"encode": to_dict(online[0]), "num_actors": online[1], "ray": to_dict(cfg)}
     latent_meta(run_cfg.train, source)
     total_steps = sum(phase_num_steps(run_cfg.train, phase_batches(run_cfg.train, cfg.num_workers)))
     store = cfg.storage or str(run_dir / "ray")
@@ -273,7 +273,11 @@ def train_on_ray(run_cfg: Any, run_dir: str | Path, cfg: RayConfig, quiet: bool 
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
-        per_worker = resources_per_worker(cfg, ray.cluster_resources())
+        per_worker = resources_per_worker(cfg, ray.cluster_resources(), online[1] if online else 0)
+        online_config = None
+        if online is not None:  # CPU actors beside each worker (a GPU each could starve the workers)
+            actors = replace(cfg, cpus_per_worker=cfg.cpus_per_worker or per_worker["CPU"], gpus_per_worker=0.0)
+            online_config = {"encode": to_dict(online[0]), "num_actors": online[1], "ray": to_dict(actors)}
         trainer = TorchTrainer(
             worker_loop,
             train_loop_config={"run": to_dict(run_cfg), "run_dir": str(run_dir), "upload": upload,
