@@ -62,6 +62,7 @@ def cmd_encode(ns, overrides):
         summary = encode_on_ray(ns.raw_dir, ns.out, recipe.encode, _ray_config(ns), ns.num_actors or 1,
                                 progress=not ns.quiet)
     else:
+        _refuse_ray_flags(ns, "encode", ("address", "num_actors"))
         summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
     print(f"encode: seen {summary['seen']}, written {summary['written']}, rejected "
           f"{sum(summary['rejected'].values())} -> {ns.out}")
@@ -89,6 +90,8 @@ def cmd_train(ns, overrides):
     recipe = _recipe(ns, overrides, {})
     if ns.ray or ns.online_encode:
         return _train_on_ray(ns, recipe)
+    _refuse_ray_flags(ns, "train", ("address", "num_workers", "gpus_per_worker", "cpus_per_worker", "max_failures",
+                                    "storage", "num_actors"))
     world = init_world(recipe.train.device)  # torchrun / SLURM: RANK, WORLD_SIZE; else one process
     try:
         summary = train(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, resume=ns.resume,
@@ -131,6 +134,12 @@ def _train_on_ray(ns, recipe):
             summary = train(cfg, ns.run_dir, resume=ns.resume, progress=not ns.quiet, source=source)
     state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
     print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s on Ray -> {ns.run_dir}")
+
+
+def _refuse_ray_flags(ns, command: str, names: tuple[str, ...]) -> None:
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(ns, n, None) is not None]
+    if given:
+        raise UserError(f"{command}: {', '.join(given)} only apply with --ray (or --online-encode)")
 
 
 def _add_ray_arguments(sp: argparse.ArgumentParser) -> None:

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from latentforge import storage
 from latentforge.data.encode import (
+    PROGRESS,
     RAW_NEEDED,
     EncodeConfig,
     Encoders,
@@ -48,7 +49,7 @@ from latentforge.data.encode import (
     shard_record,
 )
 from latentforge.data.loader import LoaderConfig, TrainLoader, build_loader
-from latentforge.data.schema import INDEX, DatasetIndex, ShardWriter, read_index, read_shard
+from latentforge.data.schema import INDEX, DatasetIndex, ShardWriter, read_index, read_shard, write_shard
 from latentforge.distributed.ray_launch import RayConfig, ray_session
 from latentforge.errors import UserError
 
@@ -206,9 +207,13 @@ def encode_on_ray(raw_dir: str, out_dir: str, cfg: EncodeConfig, ray_cfg: RayCon
     ray_cfg.validate()
     job = open_encode(raw_dir, out_dir, cfg)
     records: dict[str, dict] = {s.name: d for s in job.raw.shards if (d := job.finished(s.name)) is not None}
+    for s in job.raw.shards:  # an empty raw shard gives an empty latent shard, as in encode_dataset
+        if s.name not in records and s.num_samples == 0:
+            records[s.name] = shard_record(job.out, s.name, 0, write_shard(job.out / s.name, [], job.columns), [])
     todo = [s for s in job.raw.shards if s.name not in records]
     if todo:
-        with ray_session(ray_cfg, job.out, quiet=not progress) as ray:
+        # Ray's temp dir (logs, sockets) of a local instance goes in the hidden progress directory.
+        with ray_session(ray_cfg, job.out / PROGRESS, quiet=not progress) as ray:
             from ray.data import ActorPoolStrategy, DataContext
 
             ctx = DataContext.get_current()
