@@ -316,3 +316,10 @@ def test_a_checkpoint_uploaded_to_s3_is_restored_into_a_run_dir_that_lacks_it(pl
         assert restored.stat().st_mtime_ns == before
     finally:
         stop()
+
+
+def test_ray_flags_without_ray_are_refused(tmp_path, capsys):
+    assert cli_main(["train", str(tmp_path / "run"), "--recipe", "tiny-cpu", "--num-workers", "2"]) == 2
+    assert "train: --num-workers is only used with --ray or --online-encode" in capsys.readouterr().err
+    assert cli_main(["encode", str(tmp_path / "raw"), "--out", str(tmp_path / "out"), "--num-actors", "2"]) == 2
+    assert "encode: --num-actors is only used with --ray" in capsys.readouterr().err

@@ -62,7 +62,7 @@ def cmd_encode(ns, overrides):
         summary = encode_on_ray(ns.raw_dir, ns.out, recipe.encode, _ray_config(ns), ns.num_actors or 1,
                                 progress=not ns.quiet)
     else:
-        _refuse_ray_flags(ns, "encode", ("address", "num_actors"))
+        _refuse_ray_flags(ns, "encode", ("address", "num_actors"), "--ray")
         summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
     print(f"encode: seen {summary['seen']}, written {summary['written']}, rejected "
           f"{sum(summary['rejected'].values())} -> {ns.out}")
@@ -91,7 +91,7 @@ def cmd_train(ns, overrides):
     if ns.ray or ns.online_encode:
         return _train_on_ray(ns, recipe)
     _refuse_ray_flags(ns, "train", ("address", "num_workers", "gpus_per_worker", "cpus_per_worker", "max_failures",
-                                    "storage", "num_actors"))
+                                    "storage", "num_actors"), "--ray or --online-encode")
     world = init_world(recipe.train.device)  # torchrun / SLURM: RANK, WORLD_SIZE; else one process
     try:
         summary = train(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, resume=ns.resume,
@@ -136,10 +136,10 @@ def _train_on_ray(ns, recipe):
     print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s on Ray -> {ns.run_dir}")
 
 
-def _refuse_ray_flags(ns, command: str, names: tuple[str, ...]) -> None:
+def _refuse_ray_flags(ns, command: str, names: tuple[str, ...], needs: str) -> None:
     given = [f"--{n.replace('_', '-')}" for n in names if getattr(ns, n, None) is not None]
     if given:
-        raise UserError(f"{command}: {', '.join(given)} only apply with --ray (or --online-encode)")
+        raise UserError(f"{command}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} only used with {needs}")
 
 
 def _add_ray_arguments(sp: argparse.ArgumentParser) -> None:
