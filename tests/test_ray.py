@@ -84,8 +84,12 @@ def checkpoint_entries(run_dir: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def plain_run(latent_data, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("plain")
-    torch.set_num_threads(1)
-    assert train(run_config(latent_data), run_dir, progress=False)["step"] == STEPS
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the Ray workers (OMP_NUM_THREADS=1 for a 1-CPU share)
+    try:
+        assert train(run_config(latent_data), run_dir, progress=False)["step"] == STEPS
+    finally:
+        torch.set_num_threads(before)
     return run_dir
 
 
