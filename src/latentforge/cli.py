@@ -60,7 +60,14 @@ def cmd_encode(ns, overrides):
     recipe = _recipe(ns, overrides, {"encode.vae": ns.vae or ns.base, "encode.text_encoder": ns.text_encoder or ns.base,
                                      "encode.batch_size": ns.batch_size,
                                      "encode.attention_mask": "pipeline" if ns.base else None})
-    summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
+    if ns.ray:
+        from latentforge.distributed.ray_data import encode_on_ray
+
+        summary = encode_on_ray(ns.raw_dir, ns.out, recipe.encode, _ray_config(ns), ns.num_actors or 1,
+                                progress=not ns.quiet)
+    else:
+        _refuse_ray_flags(ns, "encode", ("address", "num_actors"), "--ray")
+        summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
     print(f"encode: seen {summary['seen']}, written {summary['written']}, rejected "
           f"{sum(summary['rejected'].values())} -> {ns.out}")
 
@@ -85,6 +92,11 @@ def cmd_train(ns, overrides):
     from latentforge.train.run import RunConfig, train
 
     recipe = _recipe(ns, overrides, {"train.init_from": getattr(ns, "base", None)})
+    if getattr(ns, "ray", False) or getattr(ns, "online_encode", False):
+        return _train_on_ray(ns, recipe)
+    if hasattr(ns, "ray"):  # train (finetune has no Ray flags)
+        _refuse_ray_flags(ns, "train", ("address", "num_workers", "gpus_per_worker", "cpus_per_worker",
+                                        "max_failures", "storage", "num_actors"), "--ray or --online-encode")
     world = init_world(recipe.train.device)  # torchrun / SLURM: RANK, WORLD_SIZE; else one process
     try:
         summary = train(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, resume=ns.resume,
@@ -95,6 +107,49 @@ def cmd_train(ns, overrides):
         return
     state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
     print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s -> {ns.run_dir}")
+
+
+def _ray_config(ns):
+    from latentforge.distributed.ray_launch import RayConfig
+
+    given = {k: getattr(ns, k) for k in ("address", "num_workers", "gpus_per_worker", "cpus_per_worker",
+                                         "max_failures", "storage") if getattr(ns, k, None) is not None}
+    return RayConfig(**given)
+
+
+def _train_on_ray(ns, recipe):
+    """``train --ray`` (Ray Train workers) and/or ``--online-encode`` (Ray encoder actors)."""
+    from latentforge.distributed.ray_launch import ray_session, train_on_ray
+    from latentforge.train.run import RunConfig, train
+
+    cfg = RunConfig(train=recipe.train, data=recipe.loader)
+    ray_cfg = _ray_config(ns)
+    online = (recipe.encode, ns.num_actors or 1) if ns.online_encode else None
+    if ns.ray:
+        if ns.resume != "auto":
+            raise UserError("train --ray: always resumes from the newest complete checkpoint (--resume auto)")
+        summary = train_on_ray(cfg, ns.run_dir, ray_cfg, ns.quiet, online=online)
+    else:  # one training process, encoder actors on a local Ray instance or --address
+        from pathlib import Path
+
+        from latentforge.distributed.ray_data import OnlineSource
+
+        source = OnlineSource(online[0], online[1], ray_cfg)
+        with ray_session(ray_cfg, Path(ns.run_dir), ns.quiet):
+            summary = train(cfg, ns.run_dir, resume=ns.resume, progress=not ns.quiet, source=source)
+    state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
+    print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s on Ray -> {ns.run_dir}")
+
+
+def _refuse_ray_flags(ns, command: str, names: tuple[str, ...], needs: str) -> None:
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(ns, n, None) is not None]
+    if given:
+        raise UserError(f"{command}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} only used with {needs}")
+
+
+def _add_ray_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--ray", action="store_true", help="run on Ray (a local instance unless --address)")
+    sp.add_argument("--address", help="Ray cluster address (host:6379, ray://host:10001 or auto)")
 
 
 def cmd_sample(ns, overrides):
@@ -214,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--from", dest="base", metavar="DIR",
                     help="a diffusers pipeline directory: encode with its vae/, text_encoder/ and tokenizer/ "
                          "(for fine-tuning it)")
+    _add_ray_arguments(sp)
+    sp.add_argument("--num-actors", dest="num_actors", type=int,
+                    help="--ray: encoder actors, each with a copy of the VAE and text encoder (default 1)")
 
     sp = add("train-vae", cmd_train_vae, "train a small AutoencoderKL from scratch on raw shards; measures the latent "
              "scale factor and writes a diffusers VAE directory")
@@ -226,6 +284,21 @@ def build_parser() -> argparse.ArgumentParser:
              "resumes from the newest complete checkpoint")
     sp.add_argument("run_dir", metavar="RUN_DIR", help="run directory: checkpoints, logs, samples")
     sp.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a checkpoint dir")
+    _add_ray_arguments(sp)
+    sp.add_argument("--num-workers", dest="num_workers", type=int, help="--ray: training processes (default 1)")
+    sp.add_argument("--gpus-per-worker", dest="gpus_per_worker", type=float,
+                    help="--ray: GPUs per worker (default 1 if the cluster has GPUs, else 0)")
+    sp.add_argument("--cpus-per-worker", dest="cpus_per_worker", type=float,
+                    help="--ray: CPUs per worker (default 1 on a cluster; a share of the cores locally)")
+    sp.add_argument("--max-failures", dest="max_failures", type=int,
+                    help="--ray: restarts after a worker failure, each from the newest checkpoint (default 2)")
+    sp.add_argument("--storage", help="--ray: Ray Train storage, a shared path or s3://bucket/prefix "
+                    "(default RUN_DIR/ray); on S3 each checkpoint is uploaded")
+    sp.add_argument("--online-encode", dest="online_encode", action="store_true",
+                    help="the phases list raw datasets, encoded during training by Ray actors with the "
+                    "recipe's encode section (VAE, text encoder)")
+    sp.add_argument("--num-actors", dest="num_actors", type=int,
+                    help="--online-encode: encoder actors per training process (default 1)")
 
     sp = add("finetune", cmd_train, "fine-tune a diffusers Stable Diffusion pipeline (full or LoRA with train.lora) "
              "on latent shards encoded with encode --from DIR; resumes like train")

@@ -68,6 +68,14 @@ from latentforge.models.text import (
 __all__ = [
     "EncodeConfig",
     "encode_dataset",
+    "open_encode",
+    "finish_encode",
+    "EncodeJob",
+    "Encoders",
+    "decode_batch",
+    "build_rows",
+    "shard_record",
+    "latent_columns",
     "decode_image",
     "RejectedImage",
     "EMPTY_PROMPT",
@@ -83,7 +91,7 @@ CONFIG_FILE = "encode_config.yaml"
 PROGRESS = ".progress"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_RAW_NEEDED = ("key", "image", "caption", "width", "height")
+RAW_NEEDED = ("key", "image", "caption", "width", "height")  # raw columns the encode reads
 
 
 @dataclass
@@ -162,7 +170,7 @@ def _check_raw(raw_dir: str, raw: DatasetIndex) -> int:
     """The resolution of a raw dataset, after checking it is one."""
     if raw.kind != "raw":
         raise UserError(f"{raw_dir}: is a {raw.kind!r} dataset; encode reads the raw shards written by ingest")
-    missing = [c for c in _RAW_NEEDED if c not in raw.columns]
+    missing = [c for c in RAW_NEEDED if c not in raw.columns]
     if missing:
         raise UserError(f"{raw_dir}: raw shards lack column(s) {', '.join(missing)}")
     resolution = raw.meta.get("resolution")
@@ -220,8 +228,9 @@ def _to_storage(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:
         return t.detach().float().cpu().numpy().astype(dtype)
 
 
-class _Encoders:
-    """The loaded VAE and text encoder and what the encode needs to know about them."""
+class Encoders:
+    """The loaded VAE and text encoder and what the encode needs to know about them; the Ray
+    encode's actors and online encoding load one each."""
 
     def __init__(self, cfg: EncodeConfig, device: str):
         text_dtype = cfg.text_dtype if cfg.text_dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
@@ -256,44 +265,171 @@ class _Encoders:
                 "latent_std": _to_storage(dist.std, self.storage)}
 
 
-def _encode_shard(raw_uri: str, out: Path, name: str, enc: _Encoders, columns: dict[str, str],
-                  resolution: int | tuple[int, int], batch_size: int, bar: tqdm, bucket: bool = False) -> dict:
-    """Encode one raw shard into ``out/name`` and write its completion record; ``bucket``: keep
-    only the rows of the (width, height) ``resolution`` (the others belong to other buckets)."""
-    table = read_shard(raw_uri, columns=list(_RAW_NEEDED))
-    keys, images, captions, widths, heights = (table.column(c).to_pylist() for c in _RAW_NEEDED)
-    if bucket:
-        mine = [i for i in range(len(keys)) if (widths[i], heights[i]) == tuple(resolution)]
-        bar.update(len(keys) - len(mine))
-        keys, images, captions, widths, heights = ([col[i] for i in mine]
-                                                   for col in (keys, images, captions, widths, heights))
-    rows: list[dict[str, Any]] = []
-    rejected: list[dict[str, str]] = []
-    for start in range(0, len(keys), batch_size):
-        good, pixels = [], []
-        for i in range(start, min(start + batch_size, len(keys))):
-            try:
-                pixels.append(decode_image(images[i], resolution))
-                good.append(i)
-            except RejectedImage as e:
-                rejected.append({"shard": name, "key": keys[i], "reason": e.reason, "detail": str(e)})
-        if good:
-            arrays = {**enc.latent_arrays(np.stack(pixels)), **enc.text_arrays([captions[i] for i in good])}
-            for j, i in enumerate(good):
-                sample = {k: v[j] for k, v in arrays.items()}
-                bad = [k for k, v in sample.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
-                if bad:
-                    rejected.append({"shard": name, "key": keys[i], "reason": "non_finite",
-                                     "detail": f"{', '.join(bad)} not finite in {enc.storage.name}"})
-                    continue
-                rows.append({"key": keys[i], "caption": captions[i], "width": widths[i], "height": heights[i],
-                             **sample})
-        bar.update(min(start + batch_size, len(keys)) - start)
-    info = write_shard(out / name, rows, columns)
-    done = {"name": name, "seen": len(keys), "written": info.num_samples, "num_bytes": info.num_bytes,
+def decode_batch(keys: Sequence[str], images: Sequence[bytes | None], resolution: int | tuple[int, int],
+                 shard: str) -> tuple[list[int], np.ndarray | None, list[dict[str, str]]]:
+    """Decode a batch of raw images: (indices of the good ones, their pixels stacked (n, 3, H, W)
+    or None if none is good, rejection records of the others). ``resolution``: the side of a
+    square dataset, or (width, height) of a bucket."""
+    good, pixels, rejected = [], [], []
+    for i, (key, data) in enumerate(zip(keys, images)):
+        try:
+            pixels.append(decode_image(data, resolution))
+            good.append(i)
+        except RejectedImage as e:
+            rejected.append({"shard": shard, "key": key, "reason": e.reason, "detail": str(e)})
+    return good, (np.stack(pixels) if pixels else None), rejected
+
+
+def build_rows(raw: dict[str, Sequence[Any]], good: Sequence[int], arrays: dict[str, np.ndarray], shard: str,
+               storage_dtype: np.dtype) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Latent-shard rows of the good samples of a batch: ``raw`` holds the batch's key, caption,
+    width and height lists, ``arrays`` the encoders' outputs for ``good`` (in that order).
+    Samples with a non-finite value are rejected instead."""
+    rows, rejected = [], []
+    for j, i in enumerate(good):
+        sample = {k: v[j] for k, v in arrays.items()}
+        bad = [k for k, v in sample.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+        if bad:
+            rejected.append({"shard": shard, "key": raw["key"][i], "reason": "non_finite",
+                             "detail": f"{', '.join(bad)} not finite in {np.dtype(storage_dtype).name}"})
+            continue
+        rows.append({"key": raw["key"][i], "caption": raw["caption"][i], "width": raw["width"][i],
+                     "height": raw["height"][i], **sample})
+    return rows, rejected
+
+
+def shard_record(out: Path, name: str, seen: int, info: ShardInfo, rejected: list[dict[str, str]]) -> dict:
+    """Write the completion record of shard ``name`` (after its file) and return it."""
+    done = {"name": name, "seen": seen, "written": info.num_samples, "num_bytes": info.num_bytes,
             "rejected": rejected}
     storage.atomic_write_bytes(out / PROGRESS / f"{name}.json", json.dumps(done).encode())
     return done
+
+
+def _encode_shard(raw_uri: str, out: Path, name: str, enc: Encoders, columns: dict[str, str],
+                  size: tuple[int, int], batch_size: int, bar: tqdm, bucket: bool) -> dict:
+    """Encode one raw shard into ``out/name`` and write its completion record; ``bucket``: keep
+    only the rows of the (width, height) ``size`` (the others belong to other buckets)."""
+    table = read_shard(raw_uri, columns=list(RAW_NEEDED))
+    raw = {c: table.column(c).to_pylist() for c in RAW_NEEDED}
+    if bucket:
+        mine = [i for i, wh in enumerate(zip(raw["width"], raw["height"])) if wh == size]
+        bar.update(len(raw["key"]) - len(mine))
+        raw = {c: [v[i] for i in mine] for c, v in raw.items()}
+    n = len(raw["key"])
+    rows: list[dict[str, Any]] = []
+    rejected: list[dict[str, str]] = []
+    for start in range(0, n, batch_size):
+        batch = {c: v[start:start + batch_size] for c, v in raw.items()}
+        good, pixels, bad = decode_batch(batch["key"], batch["image"], size, name)
+        rejected += bad
+        if good:
+            arrays = {**enc.latent_arrays(pixels), **enc.text_arrays([batch["caption"][i] for i in good])}
+            ok, bad = build_rows(batch, good, arrays, name, enc.storage)
+            rows += ok
+            rejected += bad
+        bar.update(len(batch["key"]))
+    return shard_record(out, name, n, write_shard(out / name, rows, columns), rejected)
+
+
+@dataclass
+class EncodeJob:
+    """An encode set up and checked, before any shard is encoded: the output directory is
+    claimed, its config, meta and empty-prompt file are written."""
+
+    raw_dir: str
+    raw: DatasetIndex
+    out: Path
+    cfg: EncodeConfig
+    enc: Encoders
+    resolution: int  # of the raw dataset (its square side, or the base side of its buckets)
+    size: tuple[int, int]  # (width, height) of the images this job encodes
+    bucket: bool  # True: one aspect-ratio bucket of a bucketed raw dataset
+    columns: dict[str, str]
+    meta: dict[str, Any]
+
+    def finished(self, name: str) -> dict | None:
+        """The completion record of output shard ``name``, or None if it has to be (re)encoded."""
+        return _finished_shard(self.out, name)
+
+
+def open_encode(raw_dir: str, out_dir: str | Path, cfg: EncodeConfig, enc: Encoders | None = None,
+                bucket: tuple[int, int] | None = None) -> EncodeJob:
+    """Check the inputs, load the encoders (unless given), and claim ``out_dir`` (see
+    :class:`EncodeJob`). ``bucket``: the (width, height) of one aspect-ratio bucket of a bucketed
+    raw dataset (:func:`encode_dataset` writes one latent dataset per bucket)."""
+    cfg.validate()
+    cfg.require_models()
+    raw = read_index(raw_dir)
+    resolution = _check_raw(raw_dir, raw)
+    enc = enc or Encoders(cfg, _resolve_device(cfg.device))
+    factor = enc.vae_info["downsample_factor"]
+    if bucket is None:
+        if raw.meta.get("crop") == "buckets":
+            raise UserError(f"{raw_dir}: holds aspect-ratio buckets: encode it without --ray (one latent dataset "
+                            "per bucket)")
+        if resolution % factor:
+            raise UserError(f"{raw_dir}: resolution {resolution} is not a multiple of the VAE's "
+                            f"downsample factor {factor}")
+    size = bucket or (resolution, resolution)
+    out = Path(out_dir)
+    source_fp = hashlib.sha256(storage.read_bytes(storage.join(raw_dir, INDEX))).hexdigest()
+    meta = {
+        "resolution": resolution,
+        **({"bucket": list(size)} if bucket else {}),
+        "vae": enc.vae_info,
+        "text_encoder": enc.text_info,
+        "storage_dtype": cfg.storage_dtype,
+        "source_dataset": {"path": raw_dir, "fingerprint": source_fp, "num_samples": raw.num_samples},
+    }
+    _open_out_dir(out, meta)
+    save_config(enc.resolved, out / CONFIG_FILE)
+
+    empty = {k: v[0] for k, v in enc.text_arrays([""]).items()}
+    storage.atomic_write_bytes(out / EMPTY_PROMPT, safetensors.numpy.save(empty))
+    return EncodeJob(raw_dir, raw, out, cfg, enc, resolution, size, bucket is not None,
+                     latent_columns(enc, size, empty), meta)
+
+
+def latent_columns(enc: Encoders, size: int | tuple[int, int], empty: dict[str, np.ndarray]) -> dict[str, str]:
+    """The column types of the latent shards ``enc`` writes for images of ``size`` (a square
+    side or (width, height)); ``empty``: the text arrays of one caption, for their shapes."""
+    width, height = (size, size) if isinstance(size, int) else size
+    factor = enc.vae_info["downsample_factor"]
+    latent_type = ndarray_type(enc.storage, (enc.vae_info["latent_channels"], height // factor, width // factor))
+    return {"key": "str", "caption": "str", "width": "int64", "height": "int64",
+            "latent_mean": latent_type, "latent_std": latent_type,
+            **{k: ndarray_type(v.dtype, v.shape) for k, v in empty.items()}}
+
+
+def finish_encode(job: EncodeJob, records: list[dict]) -> dict:
+    """Write rejected.jsonl, summary.json and, last, index.json from the shards' records (in
+    raw shard order); returns the summary."""
+    out = job.out
+    rejected = [r for done in records for r in done["rejected"]]
+    storage.atomic_write_bytes(out / REJECTED, "".join(json.dumps(r) + "\n" for r in rejected).encode())
+    summary = {"seen": sum(d["seen"] for d in records), "written": sum(d["written"] for d in records),
+               "rejected": dict(collections.Counter(r["reason"] for r in rejected))}
+    storage.atomic_write_bytes(out / SUMMARY, json.dumps(summary, indent=1).encode())
+    shards = [ShardInfo(name=d["name"], num_samples=d["written"], num_bytes=d["num_bytes"]) for d in records]
+    write_index(out, DatasetIndex(kind="latent", columns=job.columns, shards=shards, meta=job.meta))
+    return summary
+
+
+def _run_job(job: EncodeJob, progress: bool) -> dict:
+    """Encode the shards of ``job`` not finished by an earlier run, in this process."""
+    records = []
+    desc = f"encode {job.size[0]}x{job.size[1]}" if job.bucket else "encode"
+    with tqdm(total=job.raw.num_samples, unit="img", desc=desc, disable=not progress) as bar:
+        for shard in job.raw.shards:
+            done = job.finished(shard.name)
+            if done is None:
+                done = _encode_shard(storage.join(job.raw_dir, shard.name), job.out, shard.name, job.enc,
+                                     job.columns, job.size, job.cfg.batch_size, bar, job.bucket)
+            else:
+                bar.update(done["seen"])
+            records.append(done)
+    return finish_encode(job, records)
 
 
 def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool = True) -> dict:
@@ -307,14 +443,10 @@ def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool
     cfg.require_models()
     raw = read_index(raw_dir)
     resolution = _check_raw(raw_dir, raw)
-    device = _resolve_device(cfg.device)
-    enc = _Encoders(cfg, device)
-    factor = enc.vae_info["downsample_factor"]
     if raw.meta.get("crop") != "buckets":
-        if resolution % factor:
-            raise UserError(f"{raw_dir}: resolution {resolution} is not a multiple of the VAE's "
-                            f"downsample factor {factor}")
-        return _encode_one(raw_dir, raw, Path(out_dir), cfg, enc, (resolution, resolution), False, progress)
+        return _run_job(open_encode(raw_dir, out_dir, cfg), progress)
+    enc = Encoders(cfg, _resolve_device(cfg.device))
+    factor = enc.vae_info["downsample_factor"]
     sizes: collections.Counter = collections.Counter()
     for shard in raw.shards:
         t = read_shard(storage.join(raw_dir, shard.name), columns=["width", "height"])
@@ -330,9 +462,9 @@ def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool
     storage.atomic_write_bytes(out / PROGRESS / "buckets", b"")
     (out / BUCKETS).unlink(missing_ok=True)  # the completion marker of the whole, rewritten last
     buckets, summaries = [], []
-    for (w, h), n in sorted(sizes.items()):
+    for (w, h) in sorted(sizes):
         name = f"bucket-{w}x{h}"
-        summaries.append(_encode_one(raw_dir, raw, out / name, cfg, enc, (w, h), True, progress))
+        summaries.append(_run_job(open_encode(raw_dir, out / name, cfg, enc, bucket=(w, h)), progress))
         buckets.append({"path": name, "width": w, "height": h, "num_samples": summaries[-1]["written"]})
     rejected: collections.Counter = collections.Counter()
     for sm in summaries:
@@ -342,50 +474,4 @@ def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool
     storage.atomic_write_bytes(out / SUMMARY, json.dumps(summary, indent=1).encode())
     storage.atomic_write_bytes(out / BUCKETS, json.dumps({"resolution": resolution, "buckets": buckets},
                                                          indent=1).encode())
-    return summary
-
-
-def _encode_one(raw_dir: str, raw: DatasetIndex, out: Path, cfg: EncodeConfig, enc: _Encoders,
-                size: tuple[int, int], bucket: bool, progress: bool) -> dict:
-    """Encode the (width, height) ``size`` images of ``raw_dir`` into the latent dataset ``out``."""
-    resolution = raw.meta["resolution"]
-    factor = enc.vae_info["downsample_factor"]
-    source_fp = hashlib.sha256(storage.read_bytes(storage.join(raw_dir, INDEX))).hexdigest()
-    meta = {
-        "resolution": resolution,
-        **({"bucket": list(size)} if bucket else {}),
-        "vae": enc.vae_info,
-        "text_encoder": enc.text_info,
-        "storage_dtype": cfg.storage_dtype,
-        "source_dataset": {"path": raw_dir, "fingerprint": source_fp, "num_samples": raw.num_samples},
-    }
-    _open_out_dir(out, meta)
-    save_config(enc.resolved, out / CONFIG_FILE)
-
-    empty = {k: v[0] for k, v in enc.text_arrays([""]).items()}
-    storage.atomic_write_bytes(out / EMPTY_PROMPT, safetensors.numpy.save(empty))
-    latent_type = ndarray_type(enc.storage, (enc.vae_info["latent_channels"], size[1] // factor, size[0] // factor))
-    columns = {"key": "str", "caption": "str", "width": "int64", "height": "int64",
-               "latent_mean": latent_type, "latent_std": latent_type,
-               **{k: ndarray_type(v.dtype, v.shape) for k, v in empty.items()}}
-
-    records = []
-    desc = f"encode {size[0]}x{size[1]}" if bucket else "encode"
-    with tqdm(total=raw.num_samples, unit="img", desc=desc, disable=not progress) as bar:
-        for shard in raw.shards:
-            done = _finished_shard(out, shard.name)
-            if done is None:
-                done = _encode_shard(storage.join(raw_dir, shard.name), out, shard.name, enc, columns,
-                                     size, cfg.batch_size, bar, bucket)
-            else:
-                bar.update(done["seen"])
-            records.append(done)
-
-    rejected = [r for done in records for r in done["rejected"]]
-    storage.atomic_write_bytes(out / REJECTED, "".join(json.dumps(r) + "\n" for r in rejected).encode())
-    summary = {"seen": sum(d["seen"] for d in records), "written": sum(d["written"] for d in records),
-               "rejected": dict(collections.Counter(r["reason"] for r in rejected))}
-    storage.atomic_write_bytes(out / SUMMARY, json.dumps(summary, indent=1).encode())
-    shards = [ShardInfo(name=d["name"], num_samples=d["written"], num_bytes=d["num_bytes"]) for d in records]
-    write_index(out, DatasetIndex(kind="latent", columns=columns, shards=shards, meta=meta))
     return summary

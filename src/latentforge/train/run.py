@@ -43,10 +43,22 @@ class RunConfig:
         "help": "loader settings (seed, workers, caption dropout, cache); datasets come from train.phases"})
 
 
-def latent_meta(cfg: TrainConfig) -> dict[str, Any]:
+@dataclass
+class DataSource:
+    """How a run reads its phases' datasets: precomputed latent shards (the default), or e.g.
+    raw shards encoded online (``distributed/ray_data.py``). ``read_index(path)`` must describe
+    a dataset as latent shards; ``build_loader(cfg, micro_batch_size, rank, world_size)`` returns
+    a loader with TrainLoader's interface."""
+
+    read_index: Callable[[str], Any] = read_index
+    build_loader: Callable[..., Any] = build_loader
+
+
+def latent_meta(cfg: TrainConfig, source: DataSource | None = None) -> dict[str, Any]:
     """The meta of the phases' latent datasets, checked to agree with each other and the U-Net."""
     if not cfg.phases:
         raise ConfigError("train.phases: empty: add at least one phase with datasets and steps")
+    source = source or DataSource()
     first: dict[str, Any] | None = None
     for i, phase in enumerate(cfg.phases):
         if not phase.datasets:
@@ -55,7 +67,7 @@ def latent_meta(cfg: TrainConfig) -> dict[str, Any]:
             raise ConfigError(f"train.phases[{i}].datasets: a bucketed dataset must be the phase's only dataset")
         for j, ds in enumerate(phase.datasets):
             where = f"train.phases[{i}].datasets[{j}]"
-            index, square = bucketed_index(ds.path) if is_bucketed(ds.path) else (read_index(ds.path), None)
+            index, square = bucketed_index(ds.path) if is_bucketed(ds.path) else (source.read_index(ds.path), None)
             if index.kind != "latent":
                 raise ConfigError(f"{where}.path: {ds.path} holds {index.kind!r} shards; train on encoded (latent) "
                                   "shards: run latentforge encode first")
@@ -115,14 +127,17 @@ def pick_device(name: str) -> torch.device:
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: bool = True,
-          world: World | None = None, on_checkpoint: Callable[[Path, int], None] | None = None) -> dict[str, Any]:
+          world: World | None = None, on_checkpoint: Callable[[Path, int], None] | None = None,
+          source: DataSource | None = None) -> dict[str, Any]:
     """Run (or resume) the training of ``cfg`` in ``run_dir``; returns the trainer's summary.
     ``world``: from :func:`latentforge.distributed.env.init_world` (None = a single process);
-    ``on_checkpoint(path, step)``: called on every rank after each complete checkpoint."""
+    ``on_checkpoint(path, step)``: called on every rank after each complete checkpoint;
+    ``source``: where batches come from (None = precomputed latent shards)."""
     world = world or World()
+    source = source or DataSource()
     run = Path(run_dir)
     tcfg = cfg.train
-    meta = latent_meta(tcfg)
+    meta = latent_meta(tcfg, source)
     base = None
     if tcfg.init_from:
         base = finetune.open_base(tcfg.init_from)
@@ -136,7 +151,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     if tcfg.micro_batch_size == "auto":
         from latentforge.plan.memory import resolve_auto_micro_batch
 
-        tcfg = resolve_auto_micro_batch(tcfg, [_phase_latent_shape(p) for p in tcfg.phases], device, world.world_size)
+        tcfg = resolve_auto_micro_batch(tcfg, [_phase_latent_shape(p, source) for p in tcfg.phases], device, world.world_size)
     phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
     resume_from = ckpt.resolve_resume(run, resume)
     if world.is_main:
@@ -162,12 +177,12 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
                 raise ConfigError("data.bucket_leftovers: small_batch cannot be split into gradient accumulation "
                                   "steps: set the global batch to the micro batch, or use carry")
             return build_bucket_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
-        return build_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
+        return source.build_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
 
     from latentforge.inference import training_sampler
 
     sample_fn = training_sampler(tcfg, meta, run) if tcfg.sampling.prompts and world.is_main else None
-    flops, peak = _flops_and_peak(tcfg, device, dict(model.config))
+    flops, peak = _flops_and_peak(tcfg, device, dict(model.config), source)
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
                       progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint)
     if resume_from is not None and progress and world.is_main:
@@ -193,26 +208,26 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
                             f"({TRAIN_CONFIG}); use a new run directory or restore the setting")
 
 
-def _phase_latent_shape(phase) -> tuple[int, int]:
+def _phase_latent_shape(phase, source: DataSource) -> tuple[int, int]:
     """(latent side, caption tokens) of a phase's first dataset; for aspect-ratio buckets, the
     square latent of the same area."""
     path = phase.datasets[0].path
     if is_bucketed(path):
         index, (_, size, _) = bucketed_index(path)
     else:
-        index = read_index(path)
+        index = source.read_index(path)
         size = parse_ndarray(index.columns["latent_mean"])[1][1]
     return size, parse_ndarray(index.columns["text_hidden"])[1][0]
 
 
-def _flops_and_peak(cfg: TrainConfig, device: torch.device,
-                    unet_config: dict[str, Any]) -> tuple[list[float], float]:
+def _flops_and_peak(cfg: TrainConfig, device: torch.device, unet_config: dict[str, Any],
+                    source: DataSource) -> tuple[list[float], float]:
     """Model FLOPs per training image of each phase (its latent size) and the device's peak."""
     from latentforge.plan.flops import device_peak_flops, train_flops_per_image
 
     flops = []
     for phase in cfg.phases:
-        size, text_len = _phase_latent_shape(phase)
+        size, text_len = _phase_latent_shape(phase, source)
         flops.append(float(train_flops_per_image(unet_config, size, text_len)))
     precision = "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda") else "fp32"
     peak, _ = device_peak_flops(device, precision)

@@ -1,0 +1,133 @@
+"""Encoding on Ray against the local encode, and training on online-encoded vs precomputed data.
+
+    python bench/bench_encode.py [--num 512] [--actors 1 2] [--steps 20] [--batch 32]
+
+Models and data as in the tiny-cpu demo: 32 px PNGs with captions, its VAE shape (16/32 channels,
+2x down-sampling, untrained: the cost does not depend on the weights) and the pretrained
+all-MiniLM-L6-v2 text encoder (24 tokens), its U-Net (4.6M parameters) at micro batch 32.
+
+A. Encode throughput: ``encode_dataset`` in this process vs ``encode --ray`` (Ray Data: decode
+   tasks + an actor pool) with 1 and 2 actors on a local Ray instance with all cores. Ray's
+   start-up is timed apart (it is paid once per command).
+B. Training img/s (median of the trainer's per-step figure after 3 warm-up steps): precomputed
+   latent shards vs the same raw shards encoded online by 1 Ray actor.
+
+Prints figures; asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from latentforge.config import from_dict
+from latentforge.data import schema
+from latentforge.data.encode import EncodeConfig, encode_dataset
+from latentforge.demo import builtin_text_encoder
+from latentforge.distributed.ray_data import OnlineSource, encode_on_ray
+from latentforge.distributed.ray_launch import RayConfig
+from latentforge.models.autoencoder import build_vae
+from latentforge.recipe import load_recipe
+from latentforge.train.run import RunConfig, train
+
+WORDS = ("red", "green", "blue", "circle", "square", "star", "small", "large", "top", "left")
+
+
+def write_raw(root: Path, num: int, resolution: int = 32, num_shards: int = 4) -> Path:
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(num):
+        px = np.full((resolution, resolution, 3), rng.integers(0, 256, 3), np.uint8)
+        a, b = sorted(rng.integers(0, resolution, 2))
+        px[a:b + 1, a:b + 1] = rng.integers(0, 256, 3)
+        buf = io.BytesIO()
+        Image.fromarray(px).save(buf, format="PNG")
+        caption = "a " + " ".join(rng.choice(WORDS, 5))
+        rows.append({"key": f"b/{i:06d}", "image": buf.getvalue(), "image_format": "png", "caption": caption,
+                     "width": resolution, "height": resolution, "orig_width": resolution,
+                     "orig_height": resolution, "source": "", "license": "", "sha256": "", "meta": {}})
+    shards = [schema.write_shard(root / f"shard-{s:06d}.parquet", rows[s::num_shards], schema.RAW_COLUMNS)
+              for s in range(num_shards)]
+    schema.write_index(root, schema.DatasetIndex("raw", dict(schema.RAW_COLUMNS), shards, {"resolution": resolution}))
+    return root
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num", type=int, default=512, help="images")
+    ap.add_argument("--actors", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--steps", type=int, default=20, help="training steps per variant (part B)")
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    recipe = load_recipe("tiny-cpu")
+    tmp = Path(tempfile.mkdtemp(prefix="lf-bench-enc-", dir="/tmp"))
+    try:
+        vae_dir = tmp / "vae"
+        build_vae(recipe.vae.model).save_pretrained(vae_dir)
+        raw = write_raw(tmp / "raw", args.num)
+        cfg = EncodeConfig(vae=str(vae_dir), text_encoder=builtin_text_encoder(), max_length=24, batch_size=64,
+                           device="cpu")
+        print(f"cores {os.cpu_count()}, {args.num} images at 32 px, VAE 16/32 ch, MiniLM-L6 text, batch 64")
+
+        t = time.perf_counter()
+        encode_dataset(str(raw), str(tmp / "local"), cfg, progress=False)
+        local = time.perf_counter() - t
+        print(f"A. local encode_dataset:        {args.num / local:7.1f} img/s ({local:.1f} s, incl. model loading)")
+
+        import ray
+
+        t = time.perf_counter()
+        ray.init(num_cpus=os.cpu_count(), object_store_memory=500_000_000, include_dashboard=False,
+                 log_to_driver=False, _temp_dir=str(tmp / "ray"))
+        print(f"   Ray start-up (ray.init):       {time.perf_counter() - t:.1f} s")
+        for n in args.actors:
+            for run in ("first", "second"):  # the second finds Ray's task worker processes warm
+                out = tmp / f"ray{n}-{run}"
+                t = time.perf_counter()
+                encode_on_ray(str(raw), str(out), cfg, RayConfig(), num_actors=n, progress=False)
+                took = time.perf_counter() - t
+                print(f"   encode --ray, {n} actor(s), {run} run: {args.num / took:7.1f} img/s ({took:.1f} s, "
+                      "incl. model loading in the actors)")
+
+        base = {"train": {**_train_dict(recipe), "loggers": [], "log_every": 1,
+                          "micro_batch_size": args.batch, "sampling": {"prompts": []}, "ema": None,
+                          "optim": {"lr": 1e-3, "schedule": "constant", "warmup_steps": 0},
+                          "checkpoint": {"every_steps": 10_000, "keep_last": 1}},
+                "data": {"num_workers": 0, "shuffle_window_shards": 4, "cache_dir": str(tmp / "cache")}}
+        rates = {}
+        for name, path, source in (("precomputed latents", tmp / "local", None),
+                                   ("online encoding (1 actor)", raw, OnlineSource(cfg, 1))):
+            base["train"]["phases"] = [{"datasets": [{"path": str(path)}], "steps": args.steps}]
+            run_dir = tmp / f"run-{len(rates)}"
+            train(from_dict(RunConfig, base), run_dir, progress=False, source=source)
+            lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            rates[name] = statistics.median(r["img_per_s"] for r in lines[3:])
+        for name, rate in rates.items():
+            print(f"B. training, {name:26s} {rate:7.1f} img/s (median per step, micro batch {args.batch})")
+        ray.shutdown()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _train_dict(recipe) -> dict:
+    from latentforge.config import to_dict
+
+    d = to_dict(recipe.train)
+    d.pop("phases")
+    return d
+
+
+if __name__ == "__main__":
+    main()

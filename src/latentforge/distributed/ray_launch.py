@@ -1,0 +1,305 @@
+"""``latentforge train --ray``: the same ``train()`` run by Ray Train workers, restarted on failure.
+
+Each Ray Train worker (a ``TorchTrainer`` worker with the gloo or NCCL process group Ray set up)
+calls :func:`latentforge.train.run.train` with ``resume="auto"``, exactly as a plain process or
+torchrun would; :func:`latentforge.distributed.env.init_world` picks up Ray's process group. The
+trainer never imports Ray.
+
+Checkpoints: the run directory is the source of truth. It must be on a filesystem every worker
+sees (on one machine it is; on a cluster an NFS/Lustre/EFS mount): rank 0 writes the checkpoints
+there and every rank reads them on resume. After each complete checkpoint the ``on_checkpoint``
+hook reports it to Ray at once (``ray.train.report``), so that Ray's record is never behind the
+run directory. When a worker dies, ``FailureConfig(max_failures=K)`` restarts the whole worker
+group, and each worker resumes from the newest complete checkpoint in the run directory.
+
+What is reported depends on ``storage``:
+
+- a local or shared path (default ``RUN_DIR/ray``): a pointer (step and path of the checkpoint,
+  a few bytes), since the checkpoint itself is already on shared storage;
+- ``s3://bucket/prefix``: the checkpoint directory itself, which Ray uploads (synchronously,
+  before training goes on). A restarted worker group whose run directory lacks that checkpoint
+  (a new node, a lost disk) has rank 0 download it into ``RUN_DIR/checkpoints`` first.
+
+On one machine with no ``address``, a local Ray instance is started with ``num_cpus`` = the
+machine's cores, a capped object store, and its temporary directory under the run directory
+(or under /tmp when that path is too long for Ray's unix sockets), and is shut down afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+from latentforge import checkpoint as ckpt
+from latentforge import storage
+from latentforge.errors import ConfigError, UserError
+
+log = logging.getLogger(__name__)
+
+POINTER = "latentforge_checkpoint.json"  # the file of a pointer checkpoint reported to Ray
+# Test hook, read by the driver and handed to the workers: "RANK:STEP:MARKER" makes rank RANK exit
+# abruptly right after reporting checkpoint STEP, once (MARKER is created first, so the restarted
+# worker does not exit again).
+FAIL_ENV = "LATENTFORGE_RAY_FAIL_AFTER_CHECKPOINT"
+# Ray names its unix sockets <temp dir>/session_<date>_<time>_<pid>/sockets/plasma_store (about 70
+# characters below the temp dir); Linux caps a socket path at 107 bytes.
+_MAX_TEMP_DIR_CHARS = 36
+
+
+@dataclass
+class RayConfig:
+    """Where and how Ray runs: an existing cluster or a local instance, and the worker group."""
+
+    address: str = field(default="", metadata={
+        "help": "Ray cluster address (ray://host:10001 or host:6379, or auto); empty = start a local instance"})
+    num_workers: int = field(default=1, metadata={"help": "training processes (ranks)"})
+    gpus_per_worker: float | None = field(default=None, metadata={
+        "help": "GPUs per worker; None = 1 if the cluster has GPUs, else 0"})
+    cpus_per_worker: float | None = field(default=None, metadata={
+        "help": "CPUs per worker; None = 1 on a cluster, on a local instance the cores shared out "
+                "with a quarter core left for Ray's own actors (fractions keep 2 cores from deadlocking)"})
+    max_failures: int = field(default=2, metadata={
+        "help": "worker-group restarts after a worker failure (each resumes from the newest checkpoint)"})
+    storage: str = field(default="", metadata={
+        "help": "Ray Train storage path: a shared directory or s3://bucket/prefix; empty = RUN_DIR/ray"})
+    object_store_gb: float = field(default=1.0, metadata={
+        "help": "object store size of a local instance in GB (1e9 bytes); Ray's default is 30% of RAM"})
+
+    def validate(self) -> None:
+        if self.num_workers < 1:
+            raise ConfigError(f"num_workers: must be >= 1, got {self.num_workers}")
+        if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
+            raise ConfigError(f"gpus_per_worker: must be >= 0, got {self.gpus_per_worker}")
+        if self.cpus_per_worker is not None and not self.cpus_per_worker > 0:
+            raise ConfigError(f"cpus_per_worker: must be > 0, got {self.cpus_per_worker}")
+        if self.max_failures < -1:
+            raise ConfigError(f"max_failures: must be >= 0 (or -1 = without limit), got {self.max_failures}")
+        if not self.object_store_gb >= 0.1:
+            raise ConfigError(f"object_store_gb: must be >= 0.1 (Ray needs about 75 MB), got {self.object_store_gb}")
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--ray needs Ray: pip install 'latentforge[ray]' (ray[default]>=2.40)") from None
+    return ray
+
+
+def local_temp_dir(run_dir: Path) -> tuple[Path, bool]:
+    """Ray's temp dir for a local instance: ``RUN_DIR/ray-tmp`` if short enough for Ray's unix
+    socket paths, else a new directory under /tmp. Returns (dir, is_fallback)."""
+    preferred = run_dir / "ray-tmp"
+    if len(str(preferred)) <= _MAX_TEMP_DIR_CHARS:
+        preferred.mkdir(parents=True, exist_ok=True)
+        return preferred, False
+    return Path(tempfile.mkdtemp(prefix="lf-ray-", dir="/tmp")), True
+
+
+@contextmanager
+def ray_session(cfg: RayConfig, run_dir: Path, quiet: bool = False) -> Iterator[Any]:
+    """Connect to ``cfg.address`` or start a local Ray instance (see the module docstring); the
+    instance is shut down on exit. Yields the ``ray`` module."""
+    ray = _import_ray()
+    if ray.is_initialized():  # e.g. a caller that started Ray itself: use it, leave it running
+        yield ray
+        return
+    fallback = None
+    # Ray's workers inherit this process's environment on a local instance; the usage-stats ping
+    # would only time out on machines without internet.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if cfg.address:
+        ray.init(address=cfg.address, log_to_driver=not quiet)
+    else:
+        temp, is_fallback = local_temp_dir(run_dir)
+        if is_fallback:
+            fallback = temp
+            log.warning("Ray's temp dir %s: %s/ray-tmp is too long for Ray's unix socket paths", temp, run_dir)
+        ray.init(num_cpus=os.cpu_count() or 1, object_store_memory=int(cfg.object_store_gb * 1e9),
+                 _temp_dir=str(temp), log_to_driver=not quiet)  # the dashboard serves Ray Train's state API
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        if fallback is not None:
+            shutil.rmtree(fallback, ignore_errors=True)
+
+
+def resources_per_worker(cfg: RayConfig, cluster: dict[str, float], actors_per_worker: int = 0) -> dict[str, float]:
+    """CPU and GPU of each worker (see the fields' help). ``actors_per_worker``: online encoder
+    actors each worker starts; on a local instance they get the same CPU share as a worker."""
+    gpus = cfg.gpus_per_worker
+    if gpus is None:
+        gpus = 1.0 if cluster.get("GPU", 0) > 0 else 0.0
+    cpus = cfg.cpus_per_worker
+    if cpus is None:
+        processes = cfg.num_workers * (1 + actors_per_worker)
+        cpus = 1.0 if cfg.address else min(1.0, max(0.05, (cluster.get("CPU", 1) - 0.25) / processes))
+    out = {"CPU": cpus}
+    if gpus:
+        out["GPU"] = gpus
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside a Ray Train worker
+
+
+def _report(ray_train: Any, path: Path, step: int, is_main: bool, upload: bool) -> None:
+    """Report checkpoint ``step`` to Ray from every rank (``report`` is a barrier): rank 0 hands
+    over the checkpoint (uploaded) or a pointer to it, the others only the step."""
+    metrics = {"step": step}
+    if not is_main:
+        ray_train.report(metrics)
+        return
+    if upload:
+        ray_train.report(metrics, checkpoint=ray_train.Checkpoint.from_directory(str(path)))
+        return
+    with tempfile.TemporaryDirectory(prefix="lf-pointer-") as tmp:
+        Path(tmp, POINTER).write_text(json.dumps({"step": step, "path": str(path)}))
+        ray_train.report(metrics, checkpoint=ray_train.Checkpoint.from_directory(tmp))
+
+
+def _maybe_fail(spec: str | None, rank: int, step: int) -> None:
+    if not spec:
+        return
+    fail_rank, fail_step, marker = spec.split(":", 2)
+    if int(fail_rank) == rank and int(fail_step) == step and not os.path.exists(marker):
+        Path(marker).write_text(f"rank {rank} exited after checkpoint {step}\n")
+        os._exit(1)
+
+
+def _restore_uploaded(ray_train: Any, run_dir: Path) -> None:
+    """If Ray's newest checkpoint (uploaded to S3) is newer than the run directory's, download it
+    into ``RUN_DIR/checkpoints`` (temp name, then rename: complete or absent)."""
+    reported = ray_train.get_checkpoint()
+    if reported is None:
+        return
+    with reported.filesystem.open_input_stream(f"{reported.path}/{ckpt.META}") as f:
+        step = int(json.loads(f.read())["step"])
+    latest = ckpt.find_latest(run_dir)
+    if latest is not None and json.loads((latest / ckpt.META).read_text())["step"] >= step:
+        return
+    final = run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(step)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    reported.to_directory(str(tmp))
+    if final.exists():  # an incomplete copy: resume=auto would skip it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    log.info("restored checkpoint %s from %s", final, reported.path)
+
+
+def worker_loop(config: dict[str, Any]) -> None:
+    """The function every Ray Train worker runs."""
+    import ray.train as ray_train
+    import torch.distributed as dist
+
+    from latentforge.config import from_dict
+    from latentforge.distributed.env import close_world, init_world
+    from latentforge.train.run import RunConfig, train
+
+    run_cfg = from_dict(RunConfig, config["run"])
+    run_dir = Path(config["run_dir"])
+    source = None
+    if config.get("online"):
+        from latentforge.data.encode import EncodeConfig
+        from latentforge.distributed.ray_data import OnlineSource
+
+        online = config["online"]
+        source = OnlineSource(from_dict(EncodeConfig, online["encode"]), online["num_actors"],
+                              from_dict(RayConfig, online["ray"]))
+    upload = bool(config["upload"])
+    world = init_world(run_cfg.train.device)
+    try:
+        if upload:
+            if world.is_main:
+                _restore_uploaded(ray_train, run_dir)
+            if dist.is_initialized():
+                dist.barrier()
+
+        def on_checkpoint(path: Path, step: int) -> None:
+            _report(ray_train, path, step, world.is_main, upload)
+            _maybe_fail(config.get("fail_after_checkpoint"), world.rank, step)
+
+        summary = train(run_cfg, run_dir, resume="auto", progress=False, world=world, on_checkpoint=on_checkpoint,
+                        source=source)
+        ray_train.report({k: summary[k] for k in ("step", "finished", "seconds", "skipped_steps")})
+    finally:
+        close_world()
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+
+
+def train_on_ray(run_cfg: Any, run_dir: str | Path, cfg: RayConfig, quiet: bool = False,
+                 online: tuple[Any, int] | None = None) -> dict[str, Any]:
+    """Run ``train(run_cfg, run_dir, resume="auto")`` on ``cfg.num_workers`` Ray Train workers.
+    ``online``: (EncodeConfig, encoder actors per worker) to train on raw shards encoded online.
+    Returns ``{"step", "finished", "seconds"}``, read from the run directory's newest checkpoint."""
+    import time
+
+    from latentforge.config import to_dict
+    from latentforge.train.run import latent_meta
+    from latentforge.train.trainer import phase_batches, phase_num_steps
+
+    cfg.validate()
+    if storage.is_s3(str(run_dir)):
+        raise UserError(f"{run_dir}: the run directory must be a shared filesystem path; put --storage on S3")
+    run_dir = Path(run_dir).expanduser().resolve()  # workers may start in another directory
+    # Config errors are found here: in a worker they would be retried max_failures times.
+    source = None
+    if online is not None:
+        from latentforge.distributed.ray_data import OnlineSource
+
+        source = OnlineSource(online[0], online[1], cfg)
+    latent_meta(run_cfg.train, source)
+    total_steps = sum(phase_num_steps(run_cfg.train, phase_batches(run_cfg.train, cfg.num_workers)))
+    store = cfg.storage or str(run_dir / "ray")
+    upload = storage.is_s3(store)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    started = time.perf_counter()
+    with ray_session(cfg, run_dir, quiet) as ray:
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        per_worker = resources_per_worker(cfg, ray.cluster_resources(), online[1] if online else 0)
+        online_config = None
+        if online is not None:  # CPU actors beside each worker (a GPU each could starve the workers)
+            actors = replace(cfg, cpus_per_worker=cfg.cpus_per_worker or per_worker["CPU"], gpus_per_worker=0.0)
+            online_config = {"encode": to_dict(online[0]), "num_actors": online[1], "ray": to_dict(actors)}
+        trainer = TorchTrainer(
+            worker_loop,
+            train_loop_config={"run": to_dict(run_cfg), "run_dir": str(run_dir), "upload": upload,
+                               "fail_after_checkpoint": os.environ.get(FAIL_ENV), "online": online_config},
+            scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu="GPU" in per_worker,
+                                         resources_per_worker=per_worker),
+            run_config=RunConfig(
+                name="latentforge",
+                storage_path=store,
+                failure_config=FailureConfig(max_failures=cfg.max_failures),
+                # Pointers are tiny; uploaded checkpoints follow the run's own retention.
+                checkpoint_config=CheckpointConfig(
+                    num_to_keep=run_cfg.train.checkpoint.keep_last if upload else None),
+            ),
+        )
+        try:
+            trainer.fit()
+        except Exception as e:  # TrainingFailedError: a worker failed more than max_failures times
+            text = str(e).strip()
+            raise UserError(f"Ray Train failed after {cfg.max_failures} restart(s) "
+                            f"({text.splitlines()[-1] if text else type(e).__name__}); the newest complete "
+                            f"checkpoint in {run_dir} is kept: rerun to resume") from None
+    latest = ckpt.find_latest(run_dir)
+    step = json.loads((latest / ckpt.META).read_text())["step"] if latest is not None else 0
+    return {"step": step, "finished": step >= total_steps, "seconds": time.perf_counter() - started}
