@@ -302,7 +302,8 @@ class Trainer:
     def load(self, path: Path) -> dict[str, Any]:
         from latentforge.distributed.dcp import is_sharded_checkpoint, load_sharded
 
-        if self.sharded or is_sharded_checkpoint(path):
+        sharded = self.sharded or is_sharded_checkpoint(path)
+        if sharded:
             # Model, optimizer and EMA come from the DCP shards, re-sharded to this run's layout
             # (any rank count, or unsharded); only the plain state is read here. The sha256 check
             # rereads every file: done once, by rank 0 (the other ranks wait in load_sharded's
@@ -316,7 +317,7 @@ class Trainer:
         self.lr_scheduler.load_state_dict(c.state["lr_scheduler"])
         set_rng_state(c.state["rng"])
         if self.ema is not None:
-            if not self.sharded and not is_sharded_checkpoint(path):
+            if not sharded:  # (load_sharded loaded the EMA shards)
                 if "ema" not in c.tensors:
                     raise UserError(f"{path}: has no EMA weights but train.ema is set")
                 self.ema.load_state_dict({"params": c.tensors["ema"], "num_updates": c.state["ema_num_updates"]})
