@@ -106,25 +106,33 @@ def run(job: dict, world_size: int) -> dict:
 
 def throughput(preset: str, global_batch: int, steps: int) -> None:
     print(f"\nA. {preset}: images/s at global batch {global_batch}, fp32 ({steps} steps, median)")
-    print(f"{'configuration':44s} {'img/s':>7s} {'ms/step':>8s} {'peak MiB/rank':>14s}")
+    print(f"{'configuration':52s} {'img/s':>7s} {'ms/step':>8s} {'peak MiB/rank':>14s}")
     configs = [("1 process, 1 thread", 1, 1, {"strategy": "none"}),
                ("1 process, 2 threads", 1, 2, {"strategy": "none"}),
                ("2 processes x 1 thread, DDP", 2, 1, {"strategy": "ddp"}),
                ("2 processes x 1 thread, FSDP2 (ZeRO-2)", 2, 1, {"strategy": "fsdp"}),
-               ("2 processes x 1 thread, FSDP2 (ZeRO-3)", 2, 1, {"strategy": "fsdp", "reshard_after_forward": True})]
+               ("2 processes x 1 thread, FSDP2 (ZeRO-3)", 2, 1, {"strategy": "fsdp", "reshard_after_forward": True}),
+               ("1 process, 1 thread, activation checkpointing", 1, 1,
+                {"strategy": "none", "activation_checkpointing": True}),
+               ("2 processes x 1 thread, FSDP2 (ZeRO-3) + act. ckpt", 2, 1,
+                {"strategy": "fsdp", "reshard_after_forward": True, "activation_checkpointing": True})]
     for name, world_size, threads, parallel in configs:
         job = dict(preset=preset, global_batch=global_batch, steps=steps, threads=threads, parallel=parallel)
         r = run(job, world_size)
-        print(f"{name:44s} {r['img_per_s']:7.1f} {r['step_ms']:8.0f} {r['peak_mib_per_rank']:14.0f}", flush=True)
+        print(f"{name:52s} {r['img_per_s']:7.1f} {r['step_ms']:8.0f} {r['peak_mib_per_rank']:14.0f}", flush=True)
 
 
-def compile_figures(steps: int) -> None:
+def compile_figures(steps: int, cache: str | None) -> None:
+    """Eager, then compiled with an empty cache (skipped when ``cache`` is given), then compiled
+    again from the cache."""
     print("\nC. tiny, 1 process x 1 thread, global batch 32: eager vs regional torch.compile")
-    cache = tempfile.mkdtemp(prefix="inductor-bench-")
+    runs = [("eager", {}, None)]
+    if cache is None:
+        cache = tempfile.mkdtemp(prefix="inductor-bench-")
+        runs.append(("compiled, cold cache", {"compile": True}, cache))
+    runs.append(("compiled, warm cache", {"compile": True}, cache))
     base = dict(preset="tiny", global_batch=32, steps=steps, threads=1)
-    for name, parallel, inductor_cache in (("eager", {}, None),
-                                           ("compiled, cold cache", {"compile": True}, cache),
-                                           ("compiled, warm cache", {"compile": True}, cache)):
+    for name, parallel, inductor_cache in runs:
         r = run({**base, "parallel": {"strategy": "none", **parallel}, "inductor_cache": inductor_cache}, 1)
         print(f"{name:24s} first step {r['first_step_s']:6.1f} s, then {r['step_ms']:6.0f} ms/step "
               f"({r['img_per_s']:.0f} img/s)", flush=True)
@@ -137,6 +145,7 @@ def main() -> None:
     p.add_argument("--skip-small", action="store_true")
     p.add_argument("--skip-compile", action="store_true")
     p.add_argument("--only-compile", action="store_true")
+    p.add_argument("--inductor-cache", help="a TORCHINDUCTOR_CACHE_DIR filled by an earlier run: skip the cold compile")
     a = p.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} vCPUs, load average {os.getloadavg()[0]:.1f}")
     if not a.only_compile:
@@ -144,7 +153,7 @@ def main() -> None:
     if not (a.skip_small or a.only_compile):
         throughput("small", 4, max(3, a.steps // 2))
     if not a.skip_compile:
-        compile_figures(a.steps)
+        compile_figures(a.steps, a.inductor_cache)
 
 
 if __name__ == "__main__":

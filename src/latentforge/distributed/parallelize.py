@@ -24,8 +24,9 @@ Costs, measured on 2 vCPUs with 2 gloo ranks (``docs/distributed.md`` has the fi
   all-gather.
 - ``mixed_precision=bf16`` (FSDP2 only): parameters are gathered and computed in bf16 (half the
   all-gather bytes), gradients reduced in fp32, master weights and optimizer state stay fp32.
-- ``activation_checkpointing``: each block's activations are recomputed in the backward pass:
-  about one more forward pass (+30% step time) for activation memory of one block per level.
+- ``activation_checkpointing``: each block's forward is run again in the backward pass: one more
+  forward pass per step (a forward is about a third of a training step's FLOPs); only the block
+  inputs are kept between the passes.
 - ``compile``: each block is compiled once per input shape by Inductor (a cold compile takes
   minutes on a CPU; the cache is ``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_$USER``).
 """
@@ -65,7 +66,7 @@ class ParallelConfig:
         "help": "fsdp: bf16 = gather and compute with bf16 parameters, reduce gradients in fp32; the master "
                 "weights and optimizer state stay fp32 (with ddp/none use train.precision=bf16)"})
     activation_checkpointing: bool = field(default=False, metadata={
-        "help": "recompute each U-Net block's activations in the backward pass (about +30% compute)"})
+        "help": "recompute each U-Net block's activations in the backward pass (one more forward pass per step)"})
     compile: bool = field(default=False, metadata={
         "help": "torch.compile each U-Net block separately (regional compilation; cold compile takes minutes "
                 "on a CPU, cached in TORCHINDUCTOR_CACHE_DIR)"})
