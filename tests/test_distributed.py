@@ -75,6 +75,8 @@ def recipe(data: dict[str, Path], strategy: str, **parallel: Any) -> dict[str, A
             "micro_batch_size": 4, "global_batch_size": 8, "log_every": 1,
             "checkpoint": {"every_steps": 3, "keep_last": 20}, "loggers": [],
             "parallel": {"strategy": strategy, **parallel},
+            # A grid at the end: under FSDP2 rank 0 draws it from the consolidated checkpoint.
+            "sampling": {"prompts": ["a red circle"], "num_steps": 2},
         },
         "loader": {"seed": 1, "caption_dropout": 0.2, "num_workers": 0, "shuffle_window_shards": 2,
                    "cache_dir": str(data["cache"])},
@@ -185,6 +187,8 @@ def test_fsdp_matches_one_process(runs):
     assert is_sharded_checkpoint(latest)
     assert sorted(p.name for p in (latest / DCP_DIR).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert final(runs["fsdp"]).meta["sharded"] is True
+    grids = sorted(p.name for p in (runs["fsdp"] / "samples").iterdir())
+    assert grids == [f"step-{STEPS:08d}.png"]
 
 
 def test_fsdp_consolidated_weights_equal_the_shards(runs):
@@ -275,6 +279,17 @@ def test_bad_parallel_config_on_the_command_line(runs, tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "parallel.mixed_precision" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_fsdp_sample_grids_need_checkpoint_steps(latent_data, tmp_path):  # noqa: F811
+    """Under FSDP2 grids come from checkpoints: a grid step without a checkpoint fails up front
+    (checked before any process group is needed, so a World of 2 without one suffices)."""
+    cfg = recipe(latent_data, "fsdp")
+    cfg["train"]["sampling"]["every_steps"] = 2  # checkpoints every 3
+    with pytest.raises(ConfigError, match="train.sampling.every_steps: 2 is not a multiple"):
+        train(from_dict(RunConfig, {"train": cfg["train"], "data": cfg["loader"]}), tmp_path / "run",
+              world=World(rank=0, world_size=2), progress=False)
     assert not (tmp_path / "run").exists()
 
 

@@ -25,7 +25,6 @@ parameter index, not name).
 
 from __future__ import annotations
 
-import logging
 import shutil
 import warnings
 from pathlib import Path
@@ -48,8 +47,6 @@ from latentforge.errors import UserError
 from latentforge.train.ema import EMA
 
 __all__ = ["DCP_DIR", "save_sharded", "load_sharded", "is_sharded_checkpoint", "full_model_state_dict"]
-
-log = logging.getLogger(__name__)
 
 DCP_DIR = "dcp"
 
