@@ -112,6 +112,7 @@ def throughput(preset: str, global_batch: int, steps: int) -> None:
                ("2 processes x 1 thread, DDP", 2, 1, {"strategy": "ddp"}),
                ("2 processes x 1 thread, FSDP2 (ZeRO-2)", 2, 1, {"strategy": "fsdp"}),
                ("2 processes x 1 thread, FSDP2 (ZeRO-3)", 2, 1, {"strategy": "fsdp", "reshard_after_forward": True}),
+               ("2 processes x 1 thread, FSDP2 (ZeRO-2), bf16", 2, 1, {"strategy": "fsdp", "mixed_precision": "bf16"}),
                ("1 process, 1 thread, activation checkpointing", 1, 1,
                 {"strategy": "none", "activation_checkpointing": True}),
                ("2 processes x 1 thread, FSDP2 (ZeRO-3) + act. ckpt", 2, 1,
