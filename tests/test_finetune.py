@@ -164,7 +164,7 @@ def test_full_finetune_starts_from_the_base_resumes_exactly_and_exports(assets, 
 def test_adamw8bit_and_activation_checkpointing_resume_exactly(assets, tmp_path, monkeypatch):
     """bitsandbytes' 8-bit AdamW (its CPU kernels) with recomputed activations and the EMA in CPU memory."""
     pytest.importorskip("bitsandbytes")
-    extra = ("train.optim.name=adamw8bit", "train.activation_checkpointing=true", "train.ema.device=cpu")
+    extra = ("train.optim.name=adamw8bit", "train.parallel.activation_checkpointing=true", "train.ema.device=cpu")
     straight = tmp_path / "straight"
     assert main(finetune_args(assets, "sd1", straight, *extra)) == 0
     state = load_step(straight, STEPS).state["optimizer"]["state"]

@@ -19,7 +19,13 @@ warning and never loaded. The step is read from ``meta.json``, never from the di
 
 Checkpoints need a local or shared POSIX filesystem (atomic rename); in multi-process training
 only the writer (rank 0) calls :func:`save_checkpoint` with ``is_writer=True``, and the caller
-puts a barrier after it before other ranks read. Sharded (DCP) checkpoints are not handled here.
+puts a barrier after it before other ranks read.
+
+A sharded checkpoint (FSDP2, ``distributed/dcp.py``) adds a ``dcp/`` sub-directory written by
+every rank: the writer creates the temporary directory with :func:`begin_checkpoint`, all ranks
+write their shards into it, and the writer then passes it to :func:`save_checkpoint`
+(``workdir=``), which adds its own files and the marker, so the marker (listing the shards too)
+still comes last and the rename still publishes everything at once.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ __all__ = [
     "resolve_resume",
     "clean_state_dict_keys",
     "checkpoint_dir_name",
+    "begin_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -234,6 +241,7 @@ def save_checkpoint(
     keep_last: int,
     keep_every: int = 0,
     is_writer: bool = True,
+    workdir: Path | None = None,
 ) -> Path:
     """Write ``RUN/checkpoints/step-<step>/`` atomically and return its path.
 
@@ -242,6 +250,8 @@ def save_checkpoint(
     ``keep_last`` (0 keeps all) and ``keep_every`` (0: no milestones) prune older checkpoints once
     the new one is complete. With ``is_writer=False`` nothing is written and the path is returned.
     An existing checkpoint of the same step (from a run resumed from an earlier one) is replaced.
+    ``workdir``: the directory from :func:`begin_checkpoint` that other ranks already wrote into
+    (it is completed and renamed, or deleted on failure).
     """
     if str(run_dir).startswith("s3://"):
         raise UserError(f"{run_dir}: checkpoints need a local or shared filesystem (atomic rename), not S3")
@@ -277,15 +287,10 @@ def save_checkpoint(
     meta_text = json.dumps(full_meta, indent=2, allow_nan=False) + "\n"
     prepared = {group: _prepare_tensors(group, sd) for group, sd in tensors.items()}
 
-    root.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(root)
-    tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():  # from an earlier failed save in this process
-        shutil.rmtree(tmp)
+    tmp = workdir if workdir is not None else begin_checkpoint(run_dir, step)
     started = time.perf_counter()
     old = None
     try:
-        tmp.mkdir()
         for group, sd in prepared.items():
             safetensors.torch.save_file(sd, tmp / f"{group}.safetensors", metadata={"format": "pt"})
             _fsync_path(tmp / f"{group}.safetensors")
@@ -299,8 +304,8 @@ def save_checkpoint(
             os.fsync(f.fileno())
         # Hashing re-reads the files just written, normally from the page cache.
         files = {
-            p.name: {"num_bytes": p.stat().st_size, "sha256": _sha256(p)}
-            for p in sorted(tmp.iterdir())
+            p.relative_to(tmp).as_posix(): {"num_bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(tmp.rglob("*")) if p.is_file()
         }
         marker = {"format": FORMAT, "version": VERSION, "step": step, "files": files}
         with open(tmp / MARKER, "w") as f:
@@ -325,6 +330,19 @@ def save_checkpoint(
     log.info("saved checkpoint %s (%.1f MB in %.1f s)", final, num_bytes / 1e6, time.perf_counter() - started)
     _apply_retention(root, step, keep_last, keep_every)
     return final
+
+
+def begin_checkpoint(run_dir: str | os.PathLike, step: int) -> Path:
+    """Create the empty temporary directory ``step-<step>.tmp-<pid>`` of the writer (after removing
+    what dead writers left behind) and return it."""
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(root)
+    tmp = root / f"{checkpoint_dir_name(step)}.tmp-{os.getpid()}"
+    if tmp.exists():  # from an earlier failed save in this process
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
 
 
 # ---------------------------------------------------------------------------------------- reading
@@ -394,10 +412,12 @@ def find_latest(run_dir: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(
-    path: str | os.PathLike, map_location: str | torch.device = "cpu", verify: bool = True
+    path: str | os.PathLike, map_location: str | torch.device = "cpu", verify: bool = True,
+    groups: tuple[str, ...] | None = None,
 ) -> Checkpoint:
     """Load a complete checkpoint. ``verify`` checks every file's sha256 against the marker (one
-    extra read of the checkpoint). The state is read with ``weights_only=True``: a file holding
+    extra read of the checkpoint); ``groups``: the tensor groups to read (None = all; a sharded
+    resume reads none of the consolidated files). The state is read with ``weights_only=True``: a file holding
     anything but tensors and plain containers is refused, never executed."""
     path = Path(path)
     try:
@@ -410,7 +430,8 @@ def load_checkpoint(
             if _sha256(path / name) != info.get("sha256"):
                 raise UserError(f"{path / name}: sha256 does not match {MARKER}: the file is corrupted or was modified")
     device = str(map_location)
-    tensors = {g: safetensors.torch.load_file(path / f"{g}.safetensors", device=device) for g in meta["tensors"]}
+    tensors = {g: safetensors.torch.load_file(path / f"{g}.safetensors", device=device) for g in meta["tensors"]
+               if groups is None or g in groups}
     try:
         state = torch.load(path / STATE, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:

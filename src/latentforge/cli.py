@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 from typing import Callable
@@ -98,6 +99,8 @@ def cmd_train(ns, overrides):
         _refuse_ray_flags(ns, "train", ("address", "num_workers", "gpus_per_worker", "cpus_per_worker",
                                         "max_failures", "storage", "num_actors"), "--ray or --online-encode")
     world = init_world(recipe.train.device)  # torchrun / SLURM: RANK, WORLD_SIZE; else one process
+    if not world.is_main:  # rank 0 speaks for every rank; the others only report errors
+        logging.getLogger("latentforge").setLevel(logging.ERROR)
     try:
         summary = train(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, resume=ns.resume,
                         progress=not ns.quiet, world=world)

@@ -5,6 +5,11 @@ loop of per-parameter kernels. When the parameters are not fp32 on the EMA's dev
 weights, or the EMA kept in CPU memory), they are first copied into a persistent fp32 staging
 list with one ``torch._foreach_copy_``: that costs a second fp32 copy of the model on the EMA
 device, and with ``device="cpu"`` a device-to-host transfer of all weights per update.
+
+Under FSDP2 the parameters are sharded DTensors: the EMA keeps fp32 copies of this rank's local
+shards only (1/N of the model per rank) and updates them with the same local foreach lerp, with no
+communication. :meth:`EMA.state_dict` then returns DTensors of the same layout (for a sharded DCP
+checkpoint), and :meth:`EMA.full_state_dict` gathers the full tensors (for a consolidated file).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from latentforge.checkpoint import clean_state_dict_keys
 from latentforge.errors import ConfigError, UserError
@@ -51,6 +57,11 @@ def _parameters(model: torch.nn.Module, trainable_only: bool = False) -> tuple[l
     return names, [p.detach() for _, p in named]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view, no copy); a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class EMA:
     """Holds fp32 shadow copies of every parameter of ``model`` (frozen ones included, so that
     unfreezing in a later phase needs no new EMA), or with ``trainable_only`` of the trained ones
@@ -64,7 +75,10 @@ class EMA:
         if not params:
             raise ValueError("EMA: the model has no parameters")
         self.device = torch.device("cpu") if cfg.device == "cpu" else params[0].device
-        self.shadow = [p.to(device=self.device, dtype=torch.float32, copy=True) for p in params]
+        # (mesh, placements, global shape, global stride) of sharded parameters, to rebuild DTensors
+        self._layouts = [(p.device_mesh, p.placements, p.shape, p.stride()) if isinstance(p, DTensor) else None
+                         for p in params]
+        self.shadow = [_local(p).to(device=self.device, dtype=torch.float32, copy=True) for p in params]
         self.num_updates = 0  # averaging updates done since start_step (drives the decay warmup)
         self._staging: list[torch.Tensor] | None = None
 
@@ -88,7 +102,7 @@ class EMA:
     @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int) -> None:
         """Call after the optimizer step ``step`` (0-based)."""
-        params = [p for p in model.parameters() if p.requires_grad or not self.trainable_only]
+        params = [_local(p.detach()) for p in model.parameters() if p.requires_grad or not self.trainable_only]
         if step < self.cfg.start_step:
             torch._foreach_copy_(self.shadow, params)
             return
@@ -97,10 +111,33 @@ class EMA:
         torch._foreach_lerp_(self.shadow, sources, 1.0 - self.current_decay())
         self.num_updates += 1
 
+    @property
+    def sharded(self) -> bool:
+        return any(layout is not None for layout in self._layouts)
+
     def state_dict(self) -> dict[str, Any]:
         """``{"params": {name: fp32 tensor}, "num_updates": int}``; the params go to
-        ``ema.safetensors``, num_updates to the checkpoint state."""
-        return {"params": dict(zip(self.names, self.shadow)), "num_updates": self.num_updates}
+        ``ema.safetensors``, num_updates to the checkpoint state. Sharded parameters give DTensors
+        that share storage with the local shadow shards (no copy)."""
+        params = {}
+        for name, s, layout in zip(self.names, self.shadow, self._layouts):
+            if layout is not None:
+                mesh, placements, shape, stride = layout
+                s = DTensor.from_local(s, mesh, placements, run_check=False, shape=shape, stride=stride)
+            params[name] = s
+        return {"params": params, "num_updates": self.num_updates}
+
+    @torch.no_grad()
+    def full_state_dict(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+        """Full fp32 tensors by name. With sharded parameters this is a collective (one all-gather
+        per parameter): every rank must call it, and every rank receives the full tensors, moved
+        to CPU one at a time when ``to_cpu`` so that at most one gathered tensor is on the device."""
+        out = {}
+        for name, t in self.state_dict()["params"].items():
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            out[name] = t.cpu() if to_cpu else t
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -112,10 +149,17 @@ class EMA:
                 f"EMA state does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]} "
                 f"({len(missing)} missing, {len(unexpected)} unexpected)"
             )
-        for name, s in zip(self.names, self.shadow):
-            if params[name].shape != s.shape:
-                raise UserError(f"EMA state {name}: shape {tuple(params[name].shape)}, model has {tuple(s.shape)}")
-        torch._foreach_copy_(self.shadow, [params[n] for n in self.names])
+        sources = []
+        for name, s, layout in zip(self.names, self.shadow, self._layouts):
+            t = params[name]
+            if isinstance(t, DTensor):
+                t = t.to_local()
+            elif layout is not None:
+                raise UserError(f"EMA state {name}: a full tensor for a sharded EMA; load sharded EMA state")
+            if t.shape != s.shape:
+                raise UserError(f"EMA state {name}: shape {tuple(t.shape)}, model has {tuple(s.shape)}")
+            sources.append(t)
+        torch._foreach_copy_(self.shadow, sources)
         self.num_updates = int(sd["num_updates"])
 
     @torch.no_grad()
@@ -124,7 +168,7 @@ class EMA:
         names, params = _parameters(model, self.trainable_only)
         if names != self.names:
             raise ValueError("EMA.copy_to: the model's parameter names differ from the ones the EMA was built from")
-        torch._foreach_copy_(params, self.shadow)
+        torch._foreach_copy_([_local(p) for p in params], self.shadow)
 
     @contextmanager
     def swapped_into(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from latentforge.errors import ConfigError
 
@@ -151,12 +152,18 @@ def build_lr_scheduler(
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The global L2 norm of the gradients (a 0-dim float32 tensor on their device), after scaling
     them down to ``max_norm`` when ``max_norm > 0``. No host sync: the clip factor stays a tensor,
-    and non-finite norms are returned, not raised (read them on log steps)."""
+    and non-finite norms are returned, not raised (read them on log steps).
+
+    Under FSDP2 the gradients are sharded DTensors: the norm of the local shards is a partial
+    result, and ``full_tensor()`` all-reduces it into the norm over every shard (one small
+    all-reduce), so all ranks clip by the same, global factor. Under DDP every rank holds the
+    same averaged gradients and computes the same norm locally."""
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.zeros((), dtype=torch.float32)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], error_if_nonfinite=False)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
     if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], error_if_nonfinite=False)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm.float()

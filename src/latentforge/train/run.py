@@ -13,6 +13,7 @@ import json
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -25,6 +26,7 @@ from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.unet import UNetConfig, build_unet, unet_diffusers_config
 from latentforge.distributed.env import World
+from latentforge.distributed.parallelize import parallelize, resolve_strategy
 from latentforge.train import finetune
 from latentforge.train.trainer import Trainer, TrainConfig, phase_batches
 
@@ -138,6 +140,14 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     run = Path(run_dir)
     tcfg = cfg.train
     meta = latent_meta(tcfg, source)
+    strategy = resolve_strategy(tcfg.parallel, world.world_size)
+    if strategy == "fsdp" and tcfg.sampling.prompts and tcfg.sampling.every_steps % tcfg.checkpoint.every_steps:
+        raise ConfigError(f"train.sampling.every_steps: {tcfg.sampling.every_steps} is not a multiple of "
+                          f"train.checkpoint.every_steps={tcfg.checkpoint.every_steps}: under FSDP the grids are "
+                          "drawn from the consolidated weights of a checkpoint")
+    if strategy == "fsdp" and tcfg.lora is not None:
+        raise ConfigError("train.parallel.strategy: fsdp does not shard LoRA runs (their trained weights are small): "
+                          "use ddp")
     base = None
     if tcfg.init_from:
         base = finetune.open_base(tcfg.init_from)
@@ -165,9 +175,11 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
         model = finetune.build_finetune_unet(base, tcfg.lora, getattr(torch, tcfg.frozen_dtype)).to(device)
     else:
         model = build_unet(tcfg.unet).to(device)
-    if tcfg.activation_checkpointing:
-        model.enable_gradient_checkpointing()
     model.train()
+    # Wrappers (DDP) and sharding (FSDP2) apply to train_model; `model` stays the plain handle
+    # for the optimizer, the EMA and state dicts.
+    train_model, no_sync = parallelize(model, tcfg.parallel, world, device)
+    world = replace(world, no_sync=no_sync)
 
     def make_loader(phase: int, micro: int):
         loader_cfg = replace(cfg.data, datasets=tcfg.phases[phase].datasets)
@@ -182,12 +194,34 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     from latentforge.inference import training_sampler
 
     sample_fn = training_sampler(tcfg, meta, run) if tcfg.sampling.prompts and world.is_main else None
+    if sample_fn is not None and strategy == "fsdp":
+        sample_fn = _from_consolidated(sample_fn, dict(model.config), device)
     flops, peak = _flops_and_peak(tcfg, device, dict(model.config), source)
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
-                      progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint)
+                      progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint,
+                      train_model=train_model)
     if resume_from is not None and progress and world.is_main:
         print(f"resuming from {resume_from}")
     return trainer.fit(resume_from)
+
+
+def _from_consolidated(sample_fn: Callable[[Any, int], None], unet_config: dict[str, Any], device: torch.device
+                       ) -> Callable[[Any, int], None]:
+    """Rank 0 alone cannot run a sharded model (every forward pass all-gathers from all ranks):
+    draw the grid with a plain U-Net holding the EMA (or model) weights of the checkpoint just
+    written at this step (one more model copy in rank 0's memory while sampling)."""
+
+    def sample(trainer: Any, step: int) -> None:
+        path = ckpt.find_latest(trainer.run_dir)
+        c = ckpt.load_checkpoint(path, verify=False)
+        if c.step != step:
+            raise RuntimeError(f"sampling at step {step} needs its checkpoint, the newest is {path}")
+        plain = UNet2DConditionModel.from_config(unet_config).to(device)
+        plain.load_state_dict(c.tensors["ema" if "ema" in c.tensors else "model"])
+        view = SimpleNamespace(model=plain, ema=None, device=device)
+        sample_fn(view, step)
+
+    return sample
 
 
 def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None:

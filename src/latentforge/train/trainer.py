@@ -9,7 +9,13 @@ schedule, data cursor, RNG states, step, phase index and the count of skipped st
 Diffusion noise and timesteps are drawn per sample from a generator seeded by
 (seed, global sample position) (:func:`sample_noise`), so they do not depend on the number of
 ranks and need no state of their own: a resumed run, or a run on another number of ranks, draws
-exactly the same noise for the same sample.
+exactly the same noise for the same sample. This is also the per-rank randomness of data-parallel
+training: ranks see different positions, hence different noise, without a per-rank generator
+whose state would have to be checkpointed and could not be re-split when the rank count changes.
+
+Under FSDP2 (``parallel.strategy=fsdp``) the model's parameters are sharded DTensors: checkpoints
+are then written by every rank through ``distributed/dcp.py`` (DCP shards plus consolidated
+safetensors), and the same directory scheme and completion marker apply.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from latentforge import checkpoint as ckpt
@@ -32,6 +39,7 @@ from latentforge.data.loader import StreamConfig, TrainLoader
 from latentforge.diffusion.objectives import add_noise, diffusion_loss, min_snr_weight, training_target
 from latentforge.diffusion.schedule import NoiseScheduleConfig, alphas_cumprod, snr
 from latentforge.distributed.env import World
+from latentforge.distributed.parallelize import ParallelConfig
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.unet import UNetConfig
 from latentforge.train.ema import EMA, EMAConfig
@@ -128,8 +136,8 @@ class TrainConfig:
         "help": "with init_from: train LoRA adapters on a frozen U-Net instead of all its weights; null = full"})
     frozen_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
         "help": "dtype of the frozen base weights of a LoRA run (bfloat16 halves them; needs precision bf16)"})
-    activation_checkpointing: bool = field(default=False, metadata={
-        "help": "recompute the U-Net blocks' activations in the backward pass: less memory, ~30% more compute"})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={
+        "help": "data parallelism (DDP / FSDP2), activation checkpointing, compilation"})
 
     def validate(self) -> None:
         if self.micro_batch_size == "auto":
@@ -143,6 +151,7 @@ class TrainConfig:
             raise ConfigError("log_every: must be >= 1")
         if self.min_snr_gamma < 0 or self.offset_noise < 0:
             raise ConfigError("min_snr_gamma: min_snr_gamma and offset_noise must be >= 0")
+        self.parallel.validate()
         for i, p in enumerate(self.phases):
             try:
                 p.validate()
@@ -254,6 +263,8 @@ class Trainer:
         self.total_steps = sum(self.phase_steps)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.ema = EMA(model, cfg.ema, trainable_only=self.trainable_only) if cfg.ema is not None else None
+        # FSDP2 shards the parameters into DTensors in place: checkpoints then go through DCP.
+        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         self.step = 0
         self.phase = 0
         self.skipped_steps = 0
@@ -271,17 +282,18 @@ class Trainer:
     # ------------------------------------------------------------------ state
 
     def state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]]:
-        weights = trainable_state_dict(self.model) if self.trainable_only else self.model.state_dict()
-        tensors = {"model": ckpt.clean_state_dict_keys(weights)}
-        state: dict[str, Any] = {
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "rng": rng_state(),
-        }
+        """(tensor groups, plain state, meta) of a single-file checkpoint; when sharded the model,
+        optimizer and EMA tensors are left out (they go through DCP)."""
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        state: dict[str, Any] = {"lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng_state()}
+        if not self.sharded:
+            weights = trainable_state_dict(self.model) if self.trainable_only else self.model.state_dict()
+            tensors["model"] = ckpt.clean_state_dict_keys(weights)
+            state["optimizer"] = self.optimizer.state_dict()
         if self.ema is not None:
-            ema_sd = self.ema.state_dict()
-            tensors["ema"] = ema_sd["params"]
-            state["ema_num_updates"] = ema_sd["num_updates"]
+            if not self.sharded:
+                tensors["ema"] = self.ema.state_dict()["params"]
+            state["ema_num_updates"] = self.ema.num_updates
         meta = {  # save_checkpoint adds the step
             "phase": self.phase,
             "skipped_steps": self.skipped_steps,
@@ -292,9 +304,16 @@ class Trainer:
 
     def save(self) -> Path:
         tensors, state, meta = self.state()
-        path = ckpt.save_checkpoint(self.run_dir, self.step, tensors, state, meta,
-                                    keep_last=self.cfg.checkpoint.keep_last,
-                                    keep_every=self.cfg.checkpoint.keep_every, is_writer=self.world.is_main)
+        if self.sharded:
+            from latentforge.distributed.dcp import save_sharded
+
+            path = save_sharded(self.run_dir, self.step, self.model, self.optimizer, self.ema, state, meta,
+                                self.world, keep_last=self.cfg.checkpoint.keep_last,
+                                keep_every=self.cfg.checkpoint.keep_every)
+        else:
+            path = ckpt.save_checkpoint(self.run_dir, self.step, tensors, state, meta,
+                                        keep_last=self.cfg.checkpoint.keep_last,
+                                        keep_every=self.cfg.checkpoint.keep_every, is_writer=self.world.is_main)
         if self.world.barrier is not None:
             self.world.barrier()
         if self.on_checkpoint is not None:
@@ -302,18 +321,31 @@ class Trainer:
         return path
 
     def load(self, path: Path) -> dict[str, Any]:
-        c = ckpt.load_checkpoint(path, map_location="cpu")
-        if self.trainable_only:
-            load_trainable_state_dict(self.model, c.tensors["model"], str(path))
+        from latentforge.distributed.dcp import is_sharded_checkpoint, load_sharded
+
+        sharded = self.sharded or is_sharded_checkpoint(path)
+        if sharded:
+            # Model, optimizer and EMA come from the DCP shards, re-sharded to this run's layout
+            # (any rank count, or unsharded); only the plain state is read here. The sha256 check
+            # rereads every file: done once, by rank 0 (the other ranks wait in load_sharded's
+            # collectives, and a failure on rank 0 ends the job).
+            c = ckpt.load_checkpoint(path, map_location="cpu", groups=(), verify=self.world.is_main)
+            load_sharded(path, self.model, self.optimizer, self.ema)
         else:
-            self.model.load_state_dict(c.tensors["model"])
-        self.optimizer.load_state_dict(c.state["optimizer"])
+            c = ckpt.load_checkpoint(path, map_location="cpu")
+            if self.trainable_only:
+                load_trainable_state_dict(self.model, c.tensors["model"], str(path))
+            else:
+                self.model.load_state_dict(c.tensors["model"])
+            self.optimizer.load_state_dict(c.state["optimizer"])
         self.lr_scheduler.load_state_dict(c.state["lr_scheduler"])
         set_rng_state(c.state["rng"])
         if self.ema is not None:
-            if "ema" not in c.tensors:
-                raise UserError(f"{path}: has no EMA weights but train.ema is set")
-            self.ema.load_state_dict({"params": c.tensors["ema"], "num_updates": c.state["ema_num_updates"]})
+            if not sharded:  # (load_sharded loaded the EMA shards)
+                if "ema" not in c.tensors:
+                    raise UserError(f"{path}: has no EMA weights but train.ema is set")
+                self.ema.load_state_dict({"params": c.tensors["ema"], "num_updates": c.state["ema_num_updates"]})
+            self.ema.num_updates = int(c.state["ema_num_updates"])
         self.step = int(c.meta["step"])
         self.phase = int(c.meta["phase"])
         self.skipped_steps = int(c.meta.get("skipped_steps", 0))
