@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
+from diffusers import UNet2DConditionModel
 
 from latentforge import checkpoint as ckpt
 from latentforge.config import save_config
