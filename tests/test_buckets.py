@@ -27,12 +27,7 @@ from test_trainer import Killed, assert_same_tensors, kill_before_step, load_ste
 SHAPES = {(64, 64): 7, (96, 48): 5, (48, 96): 3}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------ the schedule (pure)

@@ -53,12 +53,7 @@ LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def recipe(data: dict[str, Path], strategy: str, **parallel: Any) -> dict[str, Any]:

@@ -38,12 +38,7 @@ from latent_fixtures import latent_data  # noqa: F401  (session fixture)
 STEPS = 8  # optimizer steps of the main run; checkpoints every STEPS // 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_config(data: dict[str, Path], *overrides: str, phases: list[dict] | None = None) -> dict[str, Any]:
