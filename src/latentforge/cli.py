@@ -90,6 +90,7 @@ def cmd_train_vae(ns, overrides):
 
 def cmd_train(ns, overrides):
     from latentforge.distributed.env import close_world, init_world
+    from latentforge.distributed.parallelize import needs_single_rank_group
     from latentforge.train.run import RunConfig, train
 
     recipe = _recipe(ns, overrides, {"train.init_from": getattr(ns, "base", None)})
@@ -98,7 +99,8 @@ def cmd_train(ns, overrides):
     if hasattr(ns, "ray"):  # train (finetune has no Ray flags)
         _refuse_ray_flags(ns, "train", ("address", "num_workers", "gpus_per_worker", "cpus_per_worker",
                                         "max_failures", "storage", "num_actors"), "--ray or --online-encode")
-    world = init_world(recipe.train.device)  # torchrun / SLURM: RANK, WORLD_SIZE; else one process
+    # torchrun / SLURM: RANK, WORLD_SIZE; else one process (with a one-rank group for FSDP2 CPU offload)
+    world = init_world(recipe.train.device, single_rank_group=needs_single_rank_group(recipe.train.parallel))
     if not world.is_main:  # rank 0 speaks for every rank; the others only report errors
         logging.getLogger("latentforge").setLevel(logging.ERROR)
     try:
