@@ -354,3 +354,34 @@ def test_config_errors(assets, tmp_path, capsys):
         train(from_dict(RunConfig, apply_overrides({}, [
             f"train.init_from={tmp_path}", f"train.phases=[{{datasets: [{{path: '{assets['latents-sd1']}'}}], steps: 1}}]"])),
             tmp_path / "r2", progress=False)
+
+
+def test_full_finetune_with_fsdp_cpu_offload_on_one_process(assets, tmp_path, monkeypatch):
+    """The 8 GB recipe's memory settings (FSDP2 CPU offload on one process, bf16 blocks,
+    recomputed activations, 2 accumulation micro batches): the run starts from the base weights,
+    writes DCP checkpoints with consolidated weights, and resumes exactly."""
+    import torch.distributed as dist
+
+    from latentforge.distributed.dcp import is_sharded_checkpoint
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # the one-rank group picks them; restored after
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    extra = ("train.parallel={strategy: fsdp, cpu_offload: true, reshard_after_forward: true, "
+             "mixed_precision: bf16, activation_checkpointing: true}", "train.precision=bf16",
+             "train.global_batch_size=8", "train.ema=null")
+    straight = tmp_path / "straight"
+    assert main(finetune_args(assets, "sd2v", straight, *extra)) == 0
+    assert not dist.is_initialized()
+    final = load_step(straight, STEPS)
+    assert is_sharded_checkpoint(final.path) and final.meta["sharded"] is True
+    base = base_unet_weights(assets["sd2v"])
+    assert final.tensors["model"].keys() == base.keys()
+    assert not torch.equal(final.tensors["model"]["conv_in.weight"], base["conv_in.weight"])
+    resumed = tmp_path / "resumed"
+    with monkeypatch.context() as m:
+        kill_before_step(m, 3)
+        with pytest.raises(Killed):
+            main(finetune_args(assets, "sd2v", resumed, *extra))
+    assert main(finetune_args(assets, "sd2v", resumed, *extra)) == 0
+    assert metrics(resumed) == metrics(straight)
+    assert_same_tensors(load_step(straight, STEPS), load_step(resumed, STEPS), groups=("model",))

@@ -247,4 +247,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
         finally:
             model.set_requires_gradient_sync(True)
 
-    return model, no_sync
+    # With CPU offload every micro batch reduce-scatters: its gradients then go to the host and
+    # accumulate there, sharded, instead of a full unsharded gradient accumulating on the device
+    # (more reduce-scatters per step on several ranks, a local copy on one).
+    return model, None if cfg.cpu_offload else no_sync
