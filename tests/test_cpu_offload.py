@@ -5,11 +5,16 @@ On this CPU-only machine "offloaded" parameters and the compute device are both 
 what is checked is FSDP2's offload path itself (CPUOffloadPolicy on every block and the root, the
 AdamW state beside the sharded parameters, the copies and the DCP round trip), not the GPU memory
 saved; that needs a CUDA device.
+
+Everything that creates the one-rank process group runs in a forked child: a process that has
+had a process group must not fork the 2-rank runs of other test modules later (they hang), so
+the pytest process itself never creates one.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -29,7 +34,7 @@ from latentforge.train.run import RunConfig, train
 from latentforge.train.trainer import TrainConfig
 from latent_fixtures import latent_data  # noqa: F401  (session fixture)
 from test_distributed import STEPS, assert_close_runs, final, metrics, recipe
-from test_trainer import Killed, kill_before_step
+from test_trainer import kill_before_step
 
 OFFLOAD = {"cpu_offload": True, "reshard_after_forward": True}
 
@@ -46,8 +51,24 @@ def one_thread_and_clean_env(monkeypatch):
     assert not dist.is_initialized()  # close_world tore the one-rank group down
 
 
-def train_cli(run_dir: Path, recipe_path: Path) -> int:
-    return cli_main(["train", str(run_dir), "--recipe", str(recipe_path), "--quiet"])
+def in_child(fn: Callable[[], None]) -> None:
+    """Run ``fn`` in a forked child process; raises if it fails (ProcessRaisedException with its
+    traceback, or ProcessExitedException if it died of a BaseException such as Killed)."""
+    import torch.multiprocessing as mp
+
+    def run(_rank: int) -> None:
+        torch.set_num_threads(1)
+        fn()
+
+    mp.start_processes(run, nprocs=1, start_method="fork")
+
+
+def train_cli(run_dir: Path, recipe_path: Path) -> None:
+    """``latentforge train`` in a forked child; it must succeed."""
+    def run() -> None:
+        assert cli_main(["train", str(run_dir), "--recipe", str(recipe_path), "--quiet"]) == 0
+
+    in_child(run)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +83,7 @@ def reference(latent_data, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
         m.delenv("MASTER_ADDR", raising=False)
         m.delenv("MASTER_PORT", raising=False)
         torch.set_num_threads(1)
-        assert train_cli(root / "run-offload", path) == 0
+        train_cli(root / "run-offload", path)
     assert not dist.is_initialized()
     return {"none": root / "run-none", "offload": root / "run-offload", "recipe": path}
 
@@ -81,13 +102,14 @@ def test_offload_resume_is_exact(reference, tmp_path, monkeypatch):
     """Killed before step 5 (last checkpoint at 3), rerun: the same log lines and bitwise the same
     final model and EMA as the uninterrupted offloaded run."""
     run = tmp_path / "run"
+    import torch.multiprocessing as mp
+
     with monkeypatch.context() as m:
-        kill_before_step(m, 5)
-        with pytest.raises(Killed):
+        kill_before_step(m, 5)  # patched before the fork: the child inherits it
+        with pytest.raises(mp.ProcessExitedException):
             train_cli(run, reference["recipe"])
-    assert not dist.is_initialized()
     assert ckpt.find_latest(run).name == "step-00000003"
-    assert train_cli(run, reference["recipe"]) == 0
+    train_cli(run, reference["recipe"])
     assert metrics(run) == metrics(reference["offload"])
     a, b = final(reference["offload"]), final(run)
     assert b.step == STEPS
@@ -97,6 +119,10 @@ def test_offload_resume_is_exact(reference, tmp_path, monkeypatch):
 
 
 def test_parameters_and_optimizer_state_are_offloaded():
+    in_child(_parameters_and_optimizer_state_are_offloaded)
+
+
+def _parameters_and_optimizer_state_are_offloaded():
     """Every FSDP2 parameter group of the blocks and the root offloads to the host; the sharded
     parameters, their gradients and the AdamW state are CPU DTensors; clipping works on them."""
     from torch.distributed.fsdp import FSDPModule
@@ -147,7 +173,13 @@ def test_offload_config_checks():
 def test_adamw8bit_fails_on_offloaded_dtensors_so_the_refusal_is_needed():
     """The refusal above stands for a real failure: bitsandbytes' 8-bit AdamW on FSDP2-offloaded
     DTensor parameters raises (bitsandbytes 0.50)."""
-    bnb = pytest.importorskip("bitsandbytes")
+    pytest.importorskip("bitsandbytes")
+    in_child(_adamw8bit_fails_on_offloaded_dtensors)
+
+
+def _adamw8bit_fails_on_offloaded_dtensors():
+    import bitsandbytes as bnb
+
     world = init_world("cpu", single_rank_group=True)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))

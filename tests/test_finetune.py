@@ -361,16 +361,22 @@ def test_full_finetune_with_fsdp_cpu_offload_on_one_process(assets, tmp_path, mo
     recomputed activations, 2 accumulation micro batches): the run starts from the base weights,
     writes DCP checkpoints with consolidated weights, and resumes exactly."""
     import torch.distributed as dist
+    import torch.multiprocessing as mp
 
     from latentforge.distributed.dcp import is_sharded_checkpoint
+    from test_cpu_offload import in_child  # the one-rank process group is made in forked children
 
-    monkeypatch.delenv("MASTER_ADDR", raising=False)  # the one-rank group picks them; restored after
-    monkeypatch.delenv("MASTER_PORT", raising=False)
+    def finetune(run_dir: Path) -> None:
+        def run() -> None:
+            assert main(finetune_args(assets, "sd2v", run_dir, *extra)) == 0
+
+        in_child(run)
+
     extra = ("train.parallel={strategy: fsdp, cpu_offload: true, reshard_after_forward: true, "
              "mixed_precision: bf16, activation_checkpointing: true}", "train.precision=bf16",
              "train.global_batch_size=8", "train.ema=null")
     straight = tmp_path / "straight"
-    assert main(finetune_args(assets, "sd2v", straight, *extra)) == 0
+    finetune(straight)
     assert not dist.is_initialized()
     final = load_step(straight, STEPS)
     assert is_sharded_checkpoint(final.path) and final.meta["sharded"] is True
@@ -379,9 +385,9 @@ def test_full_finetune_with_fsdp_cpu_offload_on_one_process(assets, tmp_path, mo
     assert not torch.equal(final.tensors["model"]["conv_in.weight"], base["conv_in.weight"])
     resumed = tmp_path / "resumed"
     with monkeypatch.context() as m:
-        kill_before_step(m, 3)
-        with pytest.raises(Killed):
-            main(finetune_args(assets, "sd2v", resumed, *extra))
-    assert main(finetune_args(assets, "sd2v", resumed, *extra)) == 0
+        kill_before_step(m, 3)  # patched before the fork: the child inherits it
+        with pytest.raises(mp.ProcessExitedException):
+            finetune(resumed)
+    finetune(resumed)
     assert metrics(resumed) == metrics(straight)
     assert_same_tensors(load_step(straight, STEPS), load_step(resumed, STEPS), groups=("model",))
