@@ -354,3 +354,40 @@ def test_config_errors(assets, tmp_path, capsys):
         train(from_dict(RunConfig, apply_overrides({}, [
             f"train.init_from={tmp_path}", f"train.phases=[{{datasets: [{{path: '{assets['latents-sd1']}'}}], steps: 1}}]"])),
             tmp_path / "r2", progress=False)
+
+
+def test_full_finetune_with_fsdp_cpu_offload_on_one_process(assets, tmp_path, monkeypatch):
+    """The 8 GB recipe's memory settings (FSDP2 CPU offload on one process, bf16 blocks,
+    recomputed activations, 2 accumulation micro batches): the run starts from the base weights,
+    writes DCP checkpoints with consolidated weights, and resumes exactly."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from latentforge.distributed.dcp import is_sharded_checkpoint
+    from test_cpu_offload import in_child  # the one-rank process group is made in forked children
+
+    def finetune(run_dir: Path) -> None:
+        def run() -> None:
+            assert main(finetune_args(assets, "sd2v", run_dir, *extra)) == 0
+
+        in_child(run)
+
+    extra = ("train.parallel={strategy: fsdp, cpu_offload: true, reshard_after_forward: true, "
+             "mixed_precision: bf16, activation_checkpointing: true}", "train.precision=bf16",
+             "train.global_batch_size=8", "train.ema=null")
+    straight = tmp_path / "straight"
+    finetune(straight)
+    assert not dist.is_initialized()
+    final = load_step(straight, STEPS)
+    assert is_sharded_checkpoint(final.path) and final.meta["sharded"] is True
+    base = base_unet_weights(assets["sd2v"])
+    assert final.tensors["model"].keys() == base.keys()
+    assert not torch.equal(final.tensors["model"]["conv_in.weight"], base["conv_in.weight"])
+    resumed = tmp_path / "resumed"
+    with monkeypatch.context() as m:
+        kill_before_step(m, 3)  # patched before the fork: the child inherits it
+        with pytest.raises(mp.ProcessExitedException):
+            finetune(resumed)
+    finetune(resumed)
+    assert metrics(resumed) == metrics(straight)
+    assert_same_tensors(load_step(straight, STEPS), load_step(resumed, STEPS), groups=("model",))

@@ -13,6 +13,7 @@ import torch
 
 import latentforge
 from latentforge.cli import main
+from latentforge.errors import ConfigError
 from latentforge.models.unet import UNetConfig, unet_num_params
 from latentforge.plan.memory import (GIB, MemoryConfig, device_bytes_needed, estimate_memory, largest_micro_batch,
                                      resolve_auto_micro_batch)
@@ -152,3 +153,66 @@ def test_train_with_auto_micro_batch_accumulates_to_the_global_batch(latent_data
     assert saved.phases[0].micro_batch_size == 4 and saved.global_batch_size == 16
     samples = [json.loads(line)["samples_seen"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert samples == [16, 32]
+
+
+def test_cpu_offload_breakdown():
+    """Under FSDP2 CPU offload the device keeps gathered blocks, one block's gradients and the
+    activations; the fp32 weights, gradients, AdamW state and EMA are host memory."""
+    n = unet_num_params(SMALL)
+    base = MemoryConfig(unet=SMALL, latent_size=16, precision="bf16-weights", parallel="fsdp-full", cpu_offload=True,
+                        activation_checkpointing=True, ema="cpu")
+    off = estimate_memory(base)
+    assert off["total"] == sum(off[k] for k in PARTS)
+    assert off["weights"] == off["optimizer"] == off["ema"] == off["weight_copies"] == 0
+    assert 0 < off["fsdp_gather"] < 2 * n  # two bf16 blocks, not the bf16 model
+    assert 0 < off["gradients"] < 6 * n  # one block's bf16 gradients and their fp32 copy
+    assert (off["host_weights"], off["host_gradients"], off["host_optimizer"], off["host_ema"]) == (4 * n, 4 * n, 8 * n,
+                                                                                                    4 * n)
+    assert off["host_total"] == 20 * n
+    grad_op = estimate_memory(replace(base, parallel="fsdp-grad-op"))
+    assert grad_op["weights"] == 2 * n and grad_op["fsdp_gather"] == 0  # every gathered block kept until backward
+    on_device = estimate_memory(replace(base, cpu_offload=False))
+    assert on_device["optimizer"] == 12 * n and off["total"] < on_device["total"]
+    with pytest.raises(ConfigError, match="cpu_offload: is FSDP2's CPU offload"):
+        estimate_memory(replace(base, parallel="ddp"))
+    with pytest.raises(ConfigError, match="optimizer: adamw8bit does not run on FSDP2"):
+        estimate_memory(replace(base, optimizer="adamw8bit"))
+
+
+def _breakdown(out: str) -> dict[str, float]:
+    """The device breakdown lines of ``plan --memory`` (GiB, rounded to 0.01), up to the total."""
+    items: dict[str, float] = {}
+    for line in out.splitlines()[1:]:
+        key, value = line.split()[:2]
+        items[key] = float(value)
+        if key == "total":
+            return items
+    raise AssertionError(out)
+
+
+def test_finetune_8gb_recipe_fits_8gb_only_with_cpu_offload(capsys):
+    """The recipe's own train.parallel (fsdp, cpu_offload, bf16, activation checkpointing), micro
+    batch, optimizer and EMA are what is planned; it fits 8 GB, and without the offload it does not."""
+    from latentforge.plan.report import recipe_memory_setup
+    from latentforge.recipe import load_recipe
+
+    recipe = load_recipe("finetune-8gb")
+    setup = recipe_memory_setup(recipe)
+    assert setup == {"parallel": "fsdp-full", "cpu_offload": True, "activation_checkpointing": True,
+                     "precision": "bf16-weights", "optimizer": "adamw", "ema": "off"}
+    assert main(["plan", "--memory", "--recipe", "finetune-8gb", "--gpu-memory", "8", "--chart", ""]) == 0
+    out = capsys.readouterr().out
+    head = out.splitlines()[0]
+    assert "sd2-base" in head and "latents 64x64" in head and f"micro batch {recipe.train.micro_batch_size}" in head
+    assert "CPU offload" in head and "fits in 8 GB" in out and "host_total" in out
+    items = _breakdown(out)
+    assert {"gradients", "activations", "fsdp_gather"} <= items.keys()
+    assert sum(v for k, v in items.items() if k != "total") == pytest.approx(items["total"], abs=0.011 * len(items))
+    needs = float(out.split("needs ")[1].split()[0])
+    assert needs <= 8.0
+
+    assert main(["plan", "--memory", "--recipe", "finetune-8gb", "--gpu-memory", "8", "--chart", "",
+                 "--no-cpu-offload"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit in 8 GB" in out and "CPU offload" not in out.splitlines()[0]
+    assert _breakdown(out)["optimizer"] > 6  # 8 B/param of AdamW state on the device

@@ -90,6 +90,7 @@ def cmd_train_vae(ns, overrides):
 
 def cmd_train(ns, overrides):
     from latentforge.distributed.env import close_world, init_world
+    from latentforge.distributed.parallelize import needs_single_rank_group
     from latentforge.train.run import RunConfig, train
 
     recipe = _recipe(ns, overrides, {"train.init_from": getattr(ns, "base", None)})
@@ -98,7 +99,8 @@ def cmd_train(ns, overrides):
     if hasattr(ns, "ray"):  # train (finetune has no Ray flags)
         _refuse_ray_flags(ns, "train", ("address", "num_workers", "gpus_per_worker", "cpus_per_worker",
                                         "max_failures", "storage", "num_actors"), "--ray or --online-encode")
-    world = init_world(recipe.train.device)  # torchrun / SLURM: RANK, WORLD_SIZE; else one process
+    # torchrun / SLURM: RANK, WORLD_SIZE; else one process (with a one-rank group for FSDP2 CPU offload)
+    world = init_world(recipe.train.device, single_rank_group=needs_single_rank_group(recipe.train.parallel))
     if not world.is_main:  # rank 0 speaks for every rank; the others only report errors
         logging.getLogger("latentforge").setLevel(logging.ERROR)
     try:
@@ -216,7 +218,7 @@ def cmd_plan(ns, overrides):
     cfg, source = plan_config(recipe.plan, **{k: getattr(ns, k) for k in flags})
     if ns.memory:
         setup = ("resolution", "micro_batch", "gpu_memory", "precision", "parallel", "world_size",
-                 "activation_checkpointing", "optimizer", "ema")
+                 "activation_checkpointing", "optimizer", "ema", "cpu_offload")
         print(memory_report(recipe, cfg, **{k: getattr(ns, k) for k in setup}))
     else:
         print(cost_report(recipe, cfg, source, chart=ns.chart, json_path=ns.json))
@@ -362,14 +364,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--memory", action="store_true", help="predict peak device memory instead of cost")
     sp.add_argument("--resolution", type=int, help="--memory: image side in px (default: the last phase's)")
     sp.add_argument("--micro-batch", dest="micro_batch", type=int, help="--memory: micro batch per rank")
-    sp.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "bf16-weights"],
+    # The set-up flags default to the recipe's train section (parallel, precision, optim, ema).
+    sp.add_argument("--precision", choices=["fp32", "bf16", "bf16-weights"],
                     help="--memory: fp32, bf16 autocast over fp32 weights, or bf16 weights + fp32 master")
-    sp.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp-grad-op", "fsdp-full"], help="--memory")
+    sp.add_argument("--parallel", choices=["ddp", "fsdp-grad-op", "fsdp-full"], help="--memory")
     sp.add_argument("--world-size", dest="world_size", type=int, default=1, help="--memory: ranks")
-    sp.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
+    sp.add_argument("--activation-checkpointing", dest="activation_checkpointing",
+                    action=argparse.BooleanOptionalAction,
                     help="--memory: recompute each U-Net block in the backward pass")
-    sp.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"], help="--memory")
-    sp.add_argument("--ema", default="same", choices=["same", "cpu", "off"], help="--memory: where the EMA lives")
+    sp.add_argument("--cpu-offload", dest="cpu_offload", action=argparse.BooleanOptionalAction,
+                    help="--memory: FSDP2 CPU offload (weights, gradients, optimizer state in host memory)")
+    sp.add_argument("--optimizer", choices=["adamw", "adamw8bit"], help="--memory")
+    sp.add_argument("--ema", choices=["same", "cpu", "off"], help="--memory: where the EMA lives")
     sp.add_argument("--gpu-memory", dest="gpu_memory", type=float, help="--memory: device memory in GB (default: --gpu's)")
 
     cfg = sub.add_parser("config", help="show the resolved config of a recipe",

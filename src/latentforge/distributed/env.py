@@ -1,6 +1,7 @@
 """The one place that reads RANK / WORLD_SIZE / LOCAL_RANK and sets up the process group.
 
-Every launcher ends here: a plain process (world size 1, no process group), ``torchrun``
+Every launcher ends here: a plain process (world size 1, no process group unless FSDP2 CPU
+offload asks for a one-rank group), ``torchrun``
 (the variables come from the elastic agent), SLURM through ``torchrun``, or Ray Train (whose
 ``TorchTrainer`` has already created the process group: it is reused, never created twice).
 The trainer only sees the resulting :class:`World`.
@@ -65,19 +66,32 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def init_world(device: str = "auto", timeout_minutes: float = 30.0) -> World:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_world(device: str = "auto", timeout_minutes: float = 30.0, single_rank_group: bool = False) -> World:
     """The :class:`World` of this process, creating the process group if the launcher asked for
     more than one rank and nobody created it yet. ``device``: "auto" | "cpu" | "cuda" (as
-    ``train.device``); on CUDA each rank takes the GPU ``LOCAL_RANK``."""
+    ``train.device``); on CUDA each rank takes the GPU ``LOCAL_RANK``. ``single_rank_group``: a
+    plain process (world size 1) still creates a one-rank group, on 127.0.0.1 and a free port
+    unless MASTER_ADDR / MASTER_PORT are set (FSDP2 with CPU offload on one GPU needs a device mesh)."""
     env = read_env()
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda and torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        if env.world_size == 1:
+        if env.world_size == 1 and not single_rank_group:
             return World(local_rank=env.local_rank)
-        dist.init_process_group(backend=backend_for("cuda" if use_cuda else "cpu"),
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        if env.world_size == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(backend=backend_for("cuda" if use_cuda else "cpu"), rank=env.rank,
+                                world_size=env.world_size, timeout=datetime.timedelta(minutes=timeout_minutes))
         global _created_here
         _created_here = True
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -24,6 +24,13 @@ Costs, measured on 2 vCPUs with 2 gloo ranks (``docs/distributed.md`` has the fi
   all-gather.
 - ``mixed_precision=bf16`` (FSDP2 only): parameters are gathered and computed in bf16 (half the
   all-gather bytes), gradients reduced in fp32, master weights and optimizer state stay fp32.
+- ``cpu_offload`` (FSDP2 ``CPUOffloadPolicy``, also on one rank): the sharded fp32 parameters,
+  their gradients and the optimizer state live in host memory and AdamW steps on the CPU; the device
+  holds only the gathered (bf16 with ``mixed_precision=bf16``) parameters of the blocks being
+  computed, and each block's gradients until they are copied to the host. Costs a host-to-device
+  copy of every block's parameters per forward (and again per backward with
+  ``reshard_after_forward=true``), a device-to-host copy of its gradients, and an optimizer step
+  at CPU speed.
 - ``activation_checkpointing``: each block's forward is run again in the backward pass: one more
   forward pass per step (a forward is about a third of a training step's FLOPs); only the block
   inputs are kept between the passes.
@@ -46,7 +53,7 @@ from torch import nn
 from latentforge.distributed.env import World
 from latentforge.errors import ConfigError
 
-__all__ = ["ParallelConfig", "parallelize", "resolve_strategy", "unet_blocks"]
+__all__ = ["ParallelConfig", "parallelize", "resolve_strategy", "unet_blocks", "needs_single_rank_group"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +74,11 @@ class ParallelConfig:
                 "weights and optimizer state stay fp32 (with ddp/none use train.precision=bf16)"})
     activation_checkpointing: bool = field(default=False, metadata={
         "help": "recompute each U-Net block's activations in the backward pass (one more forward pass per step)"})
+    cpu_offload: bool = field(default=False, metadata={
+        "help": "fsdp: keep the sharded fp32 parameters, gradients and optimizer state in host memory and step "
+                "AdamW on the CPU (FSDP2 CPUOffloadPolicy); the device holds only the gathered blocks being "
+                "computed. Runs FSDP2 on a single rank too (a one-process group is created). Pair with "
+                "reshard_after_forward=true so that only one block's parameters stay gathered"})
     compile: bool = field(default=False, metadata={
         "help": "torch.compile each U-Net block separately (regional compilation; cold compile takes minutes "
                 "on a CPU, cached in TORCHINDUCTOR_CACHE_DIR)"})
@@ -79,6 +91,9 @@ class ParallelConfig:
             raise ConfigError(f"parallel.mixed_precision: {self.mixed_precision} is FSDP2's parameter dtype and needs "
                               f"parallel.strategy=fsdp (got {self.strategy}); for ddp or none set "
                               "train.precision=bf16 (autocast) instead")
+        if self.cpu_offload and self.strategy != "fsdp":
+            raise ConfigError(f"parallel.cpu_offload: is FSDP2's CPU offload and needs parallel.strategy=fsdp "
+                              f"(got {self.strategy}); it also runs on a single GPU")
         if self.strategy != "fsdp" and self.reshard_after_forward:
             raise ConfigError(f"parallel.reshard_after_forward: only applies to parallel.strategy=fsdp "
                               f"(got {self.strategy}): remove it or use fsdp")
@@ -87,6 +102,8 @@ class ParallelConfig:
 def resolve_strategy(cfg: ParallelConfig, world_size: int) -> Literal["none", "ddp", "fsdp"]:
     """The strategy actually used on ``world_size`` ranks (see ``ParallelConfig.strategy``)."""
     cfg.validate()
+    if world_size == 1 and needs_single_rank_group(cfg):
+        return "fsdp"  # offloading needs FSDP2 even without peers to shard with
     if world_size == 1:
         if cfg.strategy in ("ddp", "fsdp"):
             log.info("parallel.strategy=%s on a single rank: running without a data-parallel wrapper", cfg.strategy)
@@ -95,6 +112,12 @@ def resolve_strategy(cfg: ParallelConfig, world_size: int) -> Literal["none", "d
         raise ConfigError(f"parallel.strategy: none with {world_size} ranks would train {world_size} separate, "
                           "unsynchronised models: use auto, ddp or fsdp")
     return "ddp" if cfg.strategy == "auto" else cfg.strategy
+
+
+def needs_single_rank_group(cfg: ParallelConfig) -> bool:
+    """Whether a single process must still create a (one-rank) process group: FSDP2 with CPU
+    offload runs on a device mesh even when there is nothing to shard across."""
+    return cfg.strategy == "fsdp" and cfg.cpu_offload
 
 
 def unet_blocks(model: nn.Module) -> list[nn.Module]:
@@ -195,17 +218,24 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         return ddp, ddp.no_sync
 
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if not dist.is_initialized():
+        raise ConfigError("parallel.strategy: fsdp needs a process group, also on one rank with cpu_offload: "
+                          "create the World with latentforge.distributed.env.init_world(single_rank_group=True)")
     mesh = init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("dp_shard",))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if cfg.mixed_precision == "bf16" else MixedPrecisionPolicy())
+    # Pinned host memory makes the host<->GPU copies asynchronous; pinning needs a CUDA device.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp)
+        fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp,
+                    offload_policy=offload)
     # The root's own parameters are small (conv_in/out, time embedding); its gathered parameters are
     # needed right at the start of the backward pass, so it keeps them (as torchtitan does).
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
 
     @contextlib.contextmanager
     def no_sync() -> Iterator[None]:
@@ -217,4 +247,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
         finally:
             model.set_requires_gradient_sync(True)
 
-    return model, no_sync
+    # With CPU offload every micro batch reduce-scatters: its gradients then go to the host and
+    # accumulate there, sharded, instead of a full unsharded gradient accumulating on the device
+    # (more reduce-scatters per step on several ranks, a local copy on one).
+    return model, None if cfg.cpu_offload else no_sync

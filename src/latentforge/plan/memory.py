@@ -33,6 +33,17 @@ With activation checkpointing per U-Net block (each down, mid and up block recom
 backward pass) the activations are the block inputs, what lies outside the blocks, and the
 largest block's own activations during its recomputation.
 
+With CPU offload (FSDP2 ``CPUOffloadPolicy``, ``train.parallel.cpu_offload``) the fp32 sharded
+weights, their gradients, the optimizer state and the EMA live in host memory (reported
+separately, 4 + 4 + 8 + 4 B/param divided by W). The device holds the gathered weights in the
+compute dtype (bf16 with ``bf16-weights``, FSDP2's bf16 mixed precision; fp32 with ``fp32`` and
+``bf16``, where autocast adds bf16 copies of them): all of them with ``fsdp-grad-op`` (kept
+from the forward to the backward pass), two blocks' worth with ``fsdp-full`` (the running block
+and the prefetched next one); the largest block's gradients in the compute dtype plus their fp32
+copy for the reduce-scatter (before they are copied to the host); and the activations (of a
+U-Net whose parameters are bf16 with ``bf16-weights``). 8-bit AdamW is refused
+under FSDP: bitsandbytes' kernel does not take DTensor parameters.
+
 On a GPU the planner adds an allowance it does not model: the caching allocator's fragmentation
 (+10% of the above) and 1 GiB for the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers.
 Device sizes are the marketing "GB", which are GiB on these cards (an "80 GB" A100 has 80 GiB).
@@ -74,11 +85,19 @@ class MemoryConfig:
     activation_checkpointing: bool = field(default=False, metadata={"help": "recompute each U-Net block"})
     optimizer: Literal["adamw", "adamw8bit"] = field(default="adamw", metadata={"help": "AdamW or 8-bit AdamW"})
     ema: Literal["same", "cpu", "off"] = field(default="same", metadata={"help": "where the EMA lives"})
+    cpu_offload: bool = field(default=False, metadata={
+        "help": "FSDP2 CPU offload: weights, gradients, optimizer state and EMA in host memory"})
 
     def validate(self) -> None:
         for name in ("latent_size", "text_len", "micro_batch_size", "world_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.cpu_offload and self.parallel == "ddp":
+            raise ConfigError("cpu_offload: is FSDP2's CPU offload: use parallel fsdp-full (one block gathered at a "
+                              "time) or fsdp-grad-op, or turn the offload off (--no-cpu-offload)")
+        if self.optimizer == "adamw8bit" and self.parallel != "ddp":
+            raise ConfigError(f"optimizer: adamw8bit does not run on FSDP2's sharded parameters ({self.parallel}): "
+                              "use adamw")
 
 
 class _GPUStandIns(TorchFunctionMode):
@@ -206,6 +225,8 @@ def estimate_memory(cfg: MemoryConfig) -> dict[str, Any]:
     sum, what ``torch.cuda.max_memory_allocated`` would show."""
     cfg.validate()
     n, largest_block = _param_counts(json.dumps(unet_diffusers_config(cfg.unet), sort_keys=True))
+    if cfg.cpu_offload:
+        return _estimate_offloaded(cfg, n, largest_block)
     w = cfg.world_size
     shard_grads = cfg.parallel in ("fsdp-grad-op", "fsdp-full") and w > 1
     shard_params = cfg.parallel == "fsdp-full" and w > 1
@@ -230,6 +251,41 @@ def estimate_memory(cfg: MemoryConfig) -> dict[str, Any]:
     out["total"] = sum(out.values())
     out["parameters"] = n
     out["activations_per_sample"] = act
+    return out
+
+
+HOST_PARTS = ("host_weights", "host_gradients", "host_optimizer", "host_ema")
+
+
+def _estimate_offloaded(cfg: MemoryConfig, n: int, largest_block: int) -> dict[str, Any]:
+    """:func:`estimate_memory` under FSDP2 CPU offload (see the module docstring)."""
+    # bf16-weights = FSDP2's bf16 MixedPrecisionPolicy: blocks are gathered in bf16. fp32 and bf16
+    # (autocast) gather fp32 weights; autocast then adds a bf16 copy of each gathered weight.
+    gathered = 2 if cfg.precision == "bf16-weights" else 4
+    prof = activation_profile(cfg.unet, cfg.latent_size, cfg.text_len, cfg.precision)
+    act = prof["activations_checkpointed" if cfg.activation_checkpointing else "activations"]
+    full = cfg.parallel == "fsdp-full"
+    resident = 2 * largest_block if full else n  # parameters gathered on the device at the peak
+    out = {
+        "weights": 0 if full else n * gathered,
+        "weight_copies": resident * 2 if cfg.precision == "bf16" else 0,
+        # one block's gradients as computed, plus their fp32 copy for the reduce-scatter
+        "gradients": largest_block * (gathered + (4 if gathered != 4 else 0)),
+        "ddp_buckets": 0,
+        "optimizer": 0,
+        "ema": 0,
+        "activations": act * cfg.micro_batch_size,
+        "fsdp_gather": resident * gathered if full else 0,
+    }
+    out = {k: int(v) for k, v in out.items()}
+    out["total"] = sum(out.values())
+    out["parameters"] = n
+    out["activations_per_sample"] = act
+    w = cfg.world_size
+    host = {"host_weights": 4 * n / w, "host_gradients": 4 * n / w, "host_optimizer": 8 * n / w,
+            "host_ema": 0 if cfg.ema == "off" else 4 * n / w}
+    out.update({k: int(v) for k, v in host.items()})
+    out["host_total"] = sum(out[k] for k in HOST_PARTS)
     return out
 
 
@@ -260,7 +316,7 @@ def format_memory(cfg: MemoryConfig, est: dict[str, Any], device_gib: float | No
     lines = [f"memory: U-Net {cfg.unet.preset} ({est['parameters']:,} parameters), latents {cfg.latent_size}x"
              f"{cfg.latent_size}, micro batch {cfg.micro_batch_size}, {cfg.precision}, {cfg.parallel} x "
              f"{cfg.world_size}, activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
-             f"{cfg.optimizer}, EMA {cfg.ema}"]
+             f"{cfg.optimizer}, EMA {cfg.ema}{', CPU offload' if cfg.cpu_offload else ''}"]
     for key in ("weights", "weight_copies", "gradients", "ddp_buckets", "optimizer", "ema", "activations",
                 "fsdp_gather"):
         if est[key]:
@@ -273,6 +329,13 @@ def format_memory(cfg: MemoryConfig, est: dict[str, Any], device_gib: float | No
         lines.append(f"  needs {need / GIB:.2f} GiB: {verdict} in {device_name} ({device_gib:g} GiB)")
         best = largest_micro_batch(cfg, int(device_gib * GIB))
         lines.append(f"  largest micro batch that fits: {best}")
+    if cfg.cpu_offload:
+        lines.append("  host memory (per rank, CPU offload):")
+        for key in HOST_PARTS:
+            if est[key]:
+                lines.append(f"  {key:14s} {gib(est[key])}")
+        lines.append(f"  {'host_total':14s} {gib(est['host_total'])}  (plus the pinned staging buffers, the data "
+                     "loader and the process itself)")
     return "\n".join(lines)
 
 

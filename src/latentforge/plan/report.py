@@ -70,8 +70,8 @@ def cost_report(recipe: "Recipe", cfg: cost.PlanConfig, source: str, chart: str 
 def memory_report(recipe: "Recipe", cfg: cost.PlanConfig, *, resolution: int | None = None,
                   micro_batch: int | None = None, gpu_memory: float | None = None, **setup) -> str:
     """The memory breakdown of ``recipe``'s U-Net at ``resolution`` (default: its last phase's) for
-    the set-up ``setup`` (MemoryConfig fields), and whether it fits ``gpu_memory`` GB (default:
-    the memory of ``cfg.gpu``)."""
+    the set-up ``setup`` (MemoryConfig fields; None = the recipe's, see :func:`recipe_memory_setup`),
+    and whether it fits ``gpu_memory`` GB (default: the memory of ``cfg.gpu``)."""
     from latentforge.plan.memory import MemoryConfig, estimate_memory, format_memory
     from latentforge.plan.shapes import phase_shapes, unet_for, vae_factor
 
@@ -83,8 +83,29 @@ def memory_report(recipe: "Recipe", cfg: cost.PlanConfig, *, resolution: int | N
     if gpu_memory is not None and not gpu_memory > 0:
         raise UserError(f"--gpu-memory: must be > 0 GB, got {gpu_memory}")
     train_micro = recipe.train.micro_batch_size if recipe.train.micro_batch_size != "auto" else 1
+    given = {k: v for k, v in setup.items() if v is not None}
+    setup = {**recipe_memory_setup(recipe, given.get("cpu_offload")), **given}
     mem = MemoryConfig(unet=unet_for(recipe, shapes), latent_size=resolution // factor, text_len=shapes.text_len,
                        micro_batch_size=micro_batch or train_micro, **setup)
     mem.validate()
     name = f"{gpu_memory:g} GB" if gpu_memory else cfg.gpu
     return format_memory(mem, estimate_memory(mem), gpu_memory or cost.GPU_MEMORY_GB[cfg.gpu], name)
+
+
+def recipe_memory_setup(recipe: "Recipe", cpu_offload: bool | None = None) -> dict:
+    """The MemoryConfig fields that ``recipe.train`` determines: ``parallel`` (strategy and
+    reshard_after_forward), CPU offload (``cpu_offload`` overrides it), activation checkpointing,
+    precision (``auto`` is bf16 on the GPUs planned for), optimizer and EMA placement."""
+    t = recipe.train
+    par = replace(t.parallel, cpu_offload=t.parallel.cpu_offload if cpu_offload is None else cpu_offload)
+    if par.strategy == "fsdp":
+        parallel = "fsdp-full" if par.reshard_after_forward else "fsdp-grad-op"
+    else:
+        parallel = "ddp"
+    if par.cpu_offload and par.mixed_precision == "bf16":
+        precision = "bf16-weights"  # blocks gathered in bf16 on the device; the fp32 master is on the host
+    else:  # FSDP's bf16 gather without offload costs what autocast's copies do: fp32 weights + bf16 copies
+        precision = "fp32" if t.precision == "fp32" and par.mixed_precision == "fp32" else "bf16"
+    return {"parallel": parallel, "cpu_offload": par.cpu_offload,
+            "activation_checkpointing": par.activation_checkpointing, "precision": precision,
+            "optimizer": t.optim.name, "ema": "off" if t.ema is None else t.ema.device}

@@ -172,10 +172,13 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
         (run / DATA_META).write_text(json.dumps(meta, indent=1))
 
     torch.manual_seed(tcfg.seed)  # also seeds the LoRA adapters' initialisation
+    # Under CPU offload the model stays in host memory: fully_shard moves one block at a time to the
+    # device and its shards back, so the whole fp32 model is never on the device.
+    init_device = torch.device("cpu") if tcfg.parallel.cpu_offload else device
     if base is not None:
-        model = finetune.build_finetune_unet(base, tcfg.lora, getattr(torch, tcfg.frozen_dtype)).to(device)
+        model = finetune.build_finetune_unet(base, tcfg.lora, getattr(torch, tcfg.frozen_dtype)).to(init_device)
     else:
-        model = build_unet(tcfg.unet).to(device)
+        model = build_unet(tcfg.unet).to(init_device)
     model.train()
     # Wrappers (DDP) and sharding (FSDP2) apply to train_model; `model` stays the plain handle
     # for the optimizer, the EMA and state dicts.

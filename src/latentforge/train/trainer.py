@@ -152,6 +152,11 @@ class TrainConfig:
         if self.min_snr_gamma < 0 or self.offset_noise < 0:
             raise ConfigError("min_snr_gamma: min_snr_gamma and offset_noise must be >= 0")
         self.parallel.validate()
+        if self.parallel.strategy == "fsdp" and self.optim.name == "adamw8bit":
+            # bitsandbytes' update kernel takes plain tensors; on FSDP2's DTensor parameters (CPU-offloaded
+            # or not) it fails with "got mixed torch.Tensor and DTensor" (bitsandbytes 0.50).
+            raise ConfigError("optim.name: adamw8bit does not run on FSDP2's sharded (DTensor) parameters: use adamw "
+                              "(with parallel.cpu_offload its fp32 state lives in host memory) or strategy ddp/none")
         for i, p in enumerate(self.phases):
             try:
                 p.validate()
