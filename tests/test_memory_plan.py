@@ -14,7 +14,7 @@ import torch
 import latentforge
 from latentforge.cli import main
 from latentforge.errors import ConfigError
-from latentforge.models.unet import UNetConfig, unet_num_params
+from latentforge.models.unet import UNetConfig, unet_diffusers_config, unet_num_params
 from latentforge.plan.memory import (GIB, MemoryConfig, device_bytes_needed, estimate_memory, largest_micro_batch,
                                      resolve_auto_micro_batch)
 from latentforge.train.trainer import PhaseConfig, TrainConfig, phase_batches
@@ -95,6 +95,16 @@ def test_auto_micro_batch_keeps_the_global_batch():
     assert micro * accum * 2 == global_ == 32 and micro <= 4  # DDP's gradient buckets need room too
     with pytest.raises(Exception, match="global_batch_size"):
         TrainConfig(micro_batch_size="auto", phases=[PhaseConfig(steps=1)]).validate()
+
+    # The run's own set-up is sized: activation checkpointing leaves room for larger micro batches
+    # in the same budget, and a fine-tuned pipeline's unet/config.json sizes like the same preset.
+    ckpt_cfg = replace(cfg, global_batch_size=64, parallel=replace(cfg.parallel, activation_checkpointing=True))
+    plain = resolve_auto_micro_batch(replace(cfg, global_batch_size=64), [(8, 8)], torch.device("cpu"), 1, budget=budget)
+    recomputed = resolve_auto_micro_batch(ckpt_cfg, [(8, 8)], torch.device("cpu"), 1, budget=budget)
+    assert recomputed.micro_batch_size > plain.micro_batch_size
+    as_dict = {"_class_name": "UNet2DConditionModel", **unet_diffusers_config(cfg.unet)}
+    from_dir = resolve_auto_micro_batch(cfg, [(8, 8)], torch.device("cpu"), 1, budget=budget, unet=as_dict)
+    assert from_dir.micro_batch_size == out.micro_batch_size
 
 
 def _run(args, cwd):

@@ -73,7 +73,8 @@ CUDA_CONTEXT_BYTES = 1 * GIB  # context + library workspaces + NCCL, outside max
 class MemoryConfig:
     """One training set-up whose peak device memory is predicted."""
 
-    unet: UNetConfig = field(default_factory=lambda: UNetConfig(preset="sd2-base"), metadata={"help": "the U-Net"})
+    unet: UNetConfig | dict[str, Any] = field(default_factory=lambda: UNetConfig(preset="sd2-base"), metadata={
+        "help": "the U-Net: a preset config, or a pipeline's unet/config.json dict"})
     latent_size: int = field(default=64, metadata={"help": "latent side (image side / VAE factor)"})
     text_len: int = field(default=77, metadata={"help": "caption tokens"})
     micro_batch_size: int = field(default=1, metadata={"help": "samples per rank per forward pass"})
@@ -203,8 +204,21 @@ def _activation_profile(unet_json: str, latent_size: int, text_len: int, precisi
             "weight_copies": sum(copies.values())}
 
 
-def activation_profile(unet: UNetConfig, latent_size: int, text_len: int, precision: str) -> dict[str, int]:
-    return _activation_profile(json.dumps(unet_diffusers_config(unet), sort_keys=True), latent_size, text_len,
+def unet_kwargs(unet: UNetConfig | dict[str, Any]) -> dict[str, Any]:
+    """UNet2DConditionModel's arguments: from a preset config, or a pipeline's ``unet/config.json``."""
+    if isinstance(unet, dict):
+        import inspect
+
+        from diffusers import UNet2DConditionModel
+
+        accepted = inspect.signature(UNet2DConditionModel.__init__).parameters
+        return {k: v for k, v in unet.items() if k in accepted}
+    return unet_diffusers_config(unet)
+
+
+def activation_profile(unet: UNetConfig | dict[str, Any], latent_size: int, text_len: int,
+                       precision: str) -> dict[str, int]:
+    return _activation_profile(json.dumps(unet_kwargs(unet), sort_keys=True), latent_size, text_len,
                                precision)
 
 
@@ -224,7 +238,7 @@ def estimate_memory(cfg: MemoryConfig) -> dict[str, Any]:
     """The peak memory breakdown of ``cfg`` in bytes (see the module docstring); ``total`` is their
     sum, what ``torch.cuda.max_memory_allocated`` would show."""
     cfg.validate()
-    n, largest_block = _param_counts(json.dumps(unet_diffusers_config(cfg.unet), sort_keys=True))
+    n, largest_block = _param_counts(json.dumps(unet_kwargs(cfg.unet), sort_keys=True))
     if cfg.cpu_offload:
         return _estimate_offloaded(cfg, n, largest_block)
     w = cfg.world_size
@@ -313,7 +327,7 @@ def format_memory(cfg: MemoryConfig, est: dict[str, Any], device_gib: float | No
     def gib(b: float) -> str:
         return f"{b / GIB:8.2f} GiB"
 
-    lines = [f"memory: U-Net {cfg.unet.preset} ({est['parameters']:,} parameters), latents {cfg.latent_size}x"
+    lines = [f"memory: U-Net {getattr(cfg.unet, 'preset', 'from a pipeline')} ({est['parameters']:,} parameters), latents {cfg.latent_size}x"
              f"{cfg.latent_size}, micro batch {cfg.micro_batch_size}, {cfg.precision}, {cfg.parallel} x "
              f"{cfg.world_size}, activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
              f"{cfg.optimizer}, EMA {cfg.ema}{', CPU offload' if cfg.cpu_offload else ''}"]
@@ -362,19 +376,41 @@ def device_memory_budget(device: torch.device) -> tuple[int, bool, str]:
     return available // 2, False, f"half of the available RAM ({available / GIB:.1f} GiB)"
 
 
+def train_memory_setup(t, cpu_offload: bool | None = None, autocast: bool = True) -> dict:
+    """The MemoryConfig fields a TrainConfig ``t`` determines: ``parallel`` (strategy and
+    reshard_after_forward), CPU offload (``cpu_offload`` overrides it), activation checkpointing,
+    precision (``autocast``: whether the run computes in bf16), optimizer and EMA placement."""
+    par = replace(t.parallel, cpu_offload=t.parallel.cpu_offload if cpu_offload is None else cpu_offload)
+    if par.strategy == "fsdp":
+        parallel = "fsdp-full" if par.reshard_after_forward else "fsdp-grad-op"
+    else:
+        parallel = "ddp"
+    if par.cpu_offload and par.mixed_precision == "bf16":
+        precision = "bf16-weights"  # blocks gathered in bf16 on the device; the fp32 master is on the host
+    else:  # FSDP's bf16 gather without offload costs what autocast's copies do: fp32 weights + bf16 copies
+        precision = "fp32" if not autocast and par.mixed_precision == "fp32" else "bf16"
+    return {"parallel": parallel, "cpu_offload": par.cpu_offload,
+            "activation_checkpointing": par.activation_checkpointing, "precision": precision,
+            "optimizer": t.optim.name, "ema": "off" if t.ema is None else t.ema.device}
+
+
 def resolve_auto_micro_batch(cfg, latent_shapes: list[tuple[int, int]], device: torch.device, world_size: int,
-                             budget: tuple[int, bool, str] | None = None):
+                             budget: tuple[int, bool, str] | None = None,
+                             unet: UNetConfig | dict[str, Any] | None = None):
     """``cfg`` (a TrainConfig with ``micro_batch_size: auto``) with each phase's micro batch set to
     the largest that fits ``budget`` (default :func:`device_memory_budget`) and divides the
     phase's per-rank global batch, so the global batch is kept by gradient accumulation.
-    ``latent_shapes``: (latent side, caption tokens) per phase."""
+    ``latent_shapes``: (latent side, caption tokens) per phase; ``unet``: the U-Net's shape when it
+    is not ``cfg.unet`` (a fine-tuned pipeline's). The set-up (parallelism, CPU offload, activation
+    checkpointing, optimizer, EMA) is the run's own."""
     import logging
 
     from latentforge.errors import UserError
 
     device_bytes, allowance, how = budget or device_memory_budget(device)
     autocast = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-    ema = "off" if cfg.ema is None else cfg.ema.device
+    setup = train_memory_setup(cfg, autocast=autocast)
+    unet = unet or cfg.unet
     phases = []
     for i, (p, (size, text_len)) in enumerate(zip(cfg.phases, latent_shapes)):
         if p.micro_batch_size:
@@ -383,8 +419,7 @@ def resolve_auto_micro_batch(cfg, latent_shapes: list[tuple[int, int]], device: 
         global_ = p.global_batch_size or cfg.global_batch_size
         if global_ % world_size:
             raise ConfigError(f"train.global_batch_size: {global_} is not divisible by the world size {world_size}")
-        mem = MemoryConfig(unet=cfg.unet, latent_size=size, text_len=text_len, precision="bf16" if autocast else "fp32",
-                           parallel="ddp", world_size=world_size, optimizer="adamw", ema=ema)
+        mem = MemoryConfig(unet=unet, latent_size=size, text_len=text_len, world_size=world_size, **setup)
         micro = largest_micro_batch(mem, device_bytes, divides=global_ // world_size, allowance=allowance)
         if not micro:
             raise UserError(f"train.micro_batch_size: auto: not even a micro batch of 1 fits in {how} for phase {i} "

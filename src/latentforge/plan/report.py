@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from latentforge.errors import UserError
 from latentforge.plan import cost
+from latentforge.plan.memory import train_memory_setup
 
 if TYPE_CHECKING:
     from latentforge.recipe import Recipe
@@ -93,19 +94,6 @@ def memory_report(recipe: "Recipe", cfg: cost.PlanConfig, *, resolution: int | N
 
 
 def recipe_memory_setup(recipe: "Recipe", cpu_offload: bool | None = None) -> dict:
-    """The MemoryConfig fields that ``recipe.train`` determines: ``parallel`` (strategy and
-    reshard_after_forward), CPU offload (``cpu_offload`` overrides it), activation checkpointing,
-    precision (``auto`` is bf16 on the GPUs planned for), optimizer and EMA placement."""
-    t = recipe.train
-    par = replace(t.parallel, cpu_offload=t.parallel.cpu_offload if cpu_offload is None else cpu_offload)
-    if par.strategy == "fsdp":
-        parallel = "fsdp-full" if par.reshard_after_forward else "fsdp-grad-op"
-    else:
-        parallel = "ddp"
-    if par.cpu_offload and par.mixed_precision == "bf16":
-        precision = "bf16-weights"  # blocks gathered in bf16 on the device; the fp32 master is on the host
-    else:  # FSDP's bf16 gather without offload costs what autocast's copies do: fp32 weights + bf16 copies
-        precision = "fp32" if t.precision == "fp32" and par.mixed_precision == "fp32" else "bf16"
-    return {"parallel": parallel, "cpu_offload": par.cpu_offload,
-            "activation_checkpointing": par.activation_checkpointing, "precision": precision,
-            "optimizer": t.optim.name, "ema": "off" if t.ema is None else t.ema.device}
+    """The MemoryConfig fields that ``recipe.train`` determines (``cpu_offload`` overrides the
+    recipe's); ``precision: auto`` counts as bf16 on the GPUs planned for."""
+    return train_memory_setup(recipe.train, cpu_offload, autocast=recipe.train.precision != "fp32")

@@ -162,7 +162,8 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     if tcfg.micro_batch_size == "auto":
         from latentforge.plan.memory import resolve_auto_micro_batch
 
-        tcfg = resolve_auto_micro_batch(tcfg, [_phase_latent_shape(p, source) for p in tcfg.phases], device, world.world_size)
+        tcfg = resolve_auto_micro_batch(tcfg, [_phase_latent_shape(p, source) for p in tcfg.phases], device,
+                                        world.world_size, unet=base.unet_config if base else None)
     phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
     resume_from = ckpt.resolve_resume(run, resume)
     if world.is_main:
