@@ -353,24 +353,27 @@ class EncodeJob:
         return _finished_shard(self.out, name)
 
 
-def open_encode(raw_dir: str, out_dir: str | Path, cfg: EncodeConfig, enc: Encoders | None = None,
-                bucket: tuple[int, int] | None = None) -> EncodeJob:
-    """Check the inputs, load the encoders (unless given), and claim ``out_dir`` (see
-    :class:`EncodeJob`). ``bucket``: the (width, height) of one aspect-ratio bucket of a bucketed
-    raw dataset (:func:`encode_dataset` writes one latent dataset per bucket)."""
+def open_encode(raw_dir: str, out_dir: str | Path, cfg: EncodeConfig) -> EncodeJob:
+    """Check the inputs, load the encoders, and claim ``out_dir`` (see :class:`EncodeJob`) for a
+    square raw dataset (:func:`encode_dataset` also encodes aspect-ratio buckets)."""
     cfg.validate()
     cfg.require_models()
     raw = read_index(raw_dir)
     resolution = _check_raw(raw_dir, raw)
-    enc = enc or Encoders(cfg, _resolve_device(cfg.device))
-    factor = enc.vae_info["downsample_factor"]
-    if bucket is None:
-        if raw.meta.get("crop") == "buckets":
-            raise UserError(f"{raw_dir}: holds aspect-ratio buckets: encode it without --ray (one latent dataset "
-                            "per bucket)")
-        if resolution % factor:
-            raise UserError(f"{raw_dir}: resolution {resolution} is not a multiple of the VAE's "
-                            f"downsample factor {factor}")
+    if raw.meta.get("crop") == "buckets":
+        raise UserError(f"{raw_dir}: holds aspect-ratio buckets: encode it without --ray (one latent dataset "
+                        "per bucket)")
+    return _claim(raw_dir, raw, resolution, out_dir, cfg, Encoders(cfg, _resolve_device(cfg.device)), None)
+
+
+def _claim(raw_dir: str, raw: DatasetIndex, resolution: int, out_dir: str | Path, cfg: EncodeConfig,
+           enc: Encoders, bucket: tuple[int, int] | None) -> EncodeJob:
+    """Claim ``out_dir`` for the checked raw dataset ``raw``: write its meta, config and
+    empty-prompt file. ``bucket``: the (width, height) of one aspect-ratio bucket (None: the
+    whole square dataset)."""
+    if bucket is None and resolution % enc.vae_info["downsample_factor"]:
+        raise UserError(f"{raw_dir}: resolution {resolution} is not a multiple of the VAE's "
+                        f"downsample factor {enc.vae_info['downsample_factor']}")
     size = bucket or (resolution, resolution)
     out = Path(out_dir)
     source_fp = hashlib.sha256(storage.read_bytes(storage.join(raw_dir, INDEX))).hexdigest()
@@ -443,9 +446,9 @@ def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool
     cfg.require_models()
     raw = read_index(raw_dir)
     resolution = _check_raw(raw_dir, raw)
-    if raw.meta.get("crop") != "buckets":
-        return _run_job(open_encode(raw_dir, out_dir, cfg), progress)
     enc = Encoders(cfg, _resolve_device(cfg.device))
+    if raw.meta.get("crop") != "buckets":
+        return _run_job(_claim(raw_dir, raw, resolution, out_dir, cfg, enc, None), progress)
     factor = enc.vae_info["downsample_factor"]
     sizes: collections.Counter = collections.Counter()
     for shard in raw.shards:
@@ -464,7 +467,7 @@ def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool
     buckets, summaries = [], []
     for (w, h) in sorted(sizes):
         name = f"bucket-{w}x{h}"
-        summaries.append(_run_job(open_encode(raw_dir, out / name, cfg, enc, bucket=(w, h)), progress))
+        summaries.append(_run_job(_claim(raw_dir, raw, resolution, out / name, cfg, enc, (w, h)), progress))
         buckets.append({"path": name, "width": w, "height": h, "num_samples": summaries[-1]["written"]})
     rejected: collections.Counter = collections.Counter()
     for sm in summaries:
