@@ -535,7 +535,7 @@ def test_path_rule_metadata_file_name_stays_in_the_source(tmp_path: Path, outsid
     root = tmp_path / "hf"
     write(root / "train/a.png", image_bytes())
     names = ["train/a.png", "../outside/secret.png", str(outside["system"]), str(root / "train/b.png"),
-             "train/../../outside/passwd", "train/link.png"]
+             "train/../../outside/other.png", "train/link.png"]
     write(root / "train/b.png", image_bytes(color=(3, 3, 3)))
     (root / "train/link.png").symlink_to(outside["image"])
     if kind == "jsonl":

@@ -289,16 +289,11 @@ def _read_confined(uri: str, root: str, cfg: SourceConfig) -> tuple[bytes | None
 
 
 def _key_part(uri: str, root: str) -> str:
-    """The path of ``uri`` under ``root`` for a record key, or ``uri`` itself when it is outside."""
-    if storage.is_s3(root) == storage.is_s3(uri):
-        if storage.is_s3(root):
-            if uri.startswith(root.rstrip("/") + "/"):
-                return _rel(uri, root)
-        else:
-            rel = _rel(uri, root)
-            if rel != ".." and not rel.startswith("../"):
-                return rel
-    return uri
+    """The path of ``uri`` relative to ``root`` for a record key (``../x.png`` for a local path
+    outside it), or ``uri`` itself when that is not a path under the same root."""
+    if storage.is_s3(root):
+        return _rel(uri, root) if uri.startswith(root.rstrip("/") + "/") else uri
+    return uri if storage.is_s3(uri) else _rel(uri, root)
 
 
 # ---------------------------------------------------------------- planning
