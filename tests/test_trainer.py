@@ -447,3 +447,48 @@ def test_cli_bad_input_exits_2_with_one_line(latent_data, tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2
         assert err.startswith(f"latentforge: error: {start}") and err.count("\n") == 1, err
+
+
+def _recipe_file(latent_data, tmp_path: Path, *overrides: str) -> Path:
+    cfg = run_config(latent_data, *overrides)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"train": cfg["train"], "loader": cfg["data"]}))
+    return recipe
+
+
+def test_resume_auto_stops_over_a_run_whose_checkpoints_are_all_unusable(straight, latent_data, tmp_path, capsys):
+    """The only checkpoint has a stale marker: `train --resume auto` stops in one line that says
+    how to go on, and leaves the checkpoint as it was (before: a warning, step 0, overwritten)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    shutil.rmtree(run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(STEPS // 2))
+    only = run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(STEPS)
+    marker = json.loads((only / ckpt.MARKER).read_text())
+    marker["files"]["model.safetensors"]["num_bytes"] -= 8  # from an earlier write of this directory
+    (only / ckpt.MARKER).write_text(json.dumps(marker))
+    before = {p.name: p.read_bytes() for p in only.iterdir()}
+    metrics_before = (run_dir / "metrics.jsonl").read_bytes()
+    recipe = _recipe_file(latent_data, tmp_path)
+    assert cli_main(["train", str(run_dir), "--recipe", str(recipe), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("latentforge: error: ") and only.name in err
+    assert "--resume none" in err and "--resume PATH" in err
+    assert {p.name: p.read_bytes() for p in only.iterdir()} == before
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+    assert sorted(p.name for p in (run_dir / ckpt.CHECKPOINTS).iterdir()) == [only.name]
+
+
+def test_resume_from_weights_that_are_not_safetensors_is_one_line(straight, latent_data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    newest = run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(STEPS)
+    torch.save({"w": torch.zeros(2)}, newest / "model.safetensors")  # a pickle, with a marker vouching for it
+    marker = json.loads((newest / ckpt.MARKER).read_text())
+    marker["files"]["model.safetensors"] = {"num_bytes": (newest / "model.safetensors").stat().st_size,
+                                            "sha256": ckpt._sha256(newest / "model.safetensors")}
+    (newest / ckpt.MARKER).write_text(json.dumps(marker))
+    recipe = _recipe_file(latent_data, tmp_path, f"train.phases.0.steps={STEPS + 2}")
+    assert cli_main(["train", str(run_dir), "--recipe", str(recipe), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"latentforge: error: {newest / 'model.safetensors'}: not a readable safetensors file")
+    assert err.count("\n") == 1
