@@ -63,6 +63,7 @@ __all__ = [
     "checkpoint_dir_name",
     "begin_checkpoint",
     "load_safetensors",
+    "keep_aside",
 ]
 
 log = logging.getLogger(__name__)
@@ -344,9 +345,7 @@ def save_checkpoint(
         raise
     _written.add(str(final.resolve()))
     if old is not None and foreign:
-        kept = root / f"{final.name}.{_KEPT}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(now))}-{os.getpid()}"
-        os.rename(old, kept)
-        _fsync_path(root)
+        kept = keep_aside(old, final.name)
         log.warning("%s was not written by this run: kept as %s", final, kept)
     elif old is not None:
         shutil.rmtree(old)
@@ -354,6 +353,17 @@ def save_checkpoint(
     log.info("saved checkpoint %s (%.1f MB in %.1f s)", final, num_bytes / 1e6, time.perf_counter() - started)
     _apply_retention(root, step, keep_last, keep_every)
     return final
+
+
+def keep_aside(path: Path, name: str | None = None) -> Path:
+    """Rename the checkpoint directory ``path`` to ``<name>.kept-<time>-<pid>`` beside it (``name``:
+    its final name, default its own): out of the way of a new checkpoint of the same step, ignored
+    by :func:`find_latest` and retention, and never deleted by latentforge."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    kept = path.parent / f"{name or path.name}.{_KEPT}-{stamp}-{os.getpid()}"
+    os.rename(path, kept)
+    _fsync_path(path.parent)
+    return kept
 
 
 def begin_checkpoint(run_dir: str | os.PathLike, step: int) -> Path:
