@@ -484,17 +484,14 @@ def test_resume_auto_stops_when_no_checkpoint_is_usable(tmp_path):
     assert resolve_resume(empty, "auto") is None  # no checkpoints at all: a new run
 
 
-def test_a_run_never_deletes_or_overwrites_checkpoints_it_did_not_write(tmp_path, caplog):
-    """Checkpoints written by another process (here: created behind this process's back, as a
-    previous run of the same directory would have) survive a run started with --resume none:
-    retention keeps them and a checkpoint of the same step moves them aside."""
-    code = textwrap.dedent(f"""
-        import torch
-        from latentforge.checkpoint import save_checkpoint
+def test_a_run_never_deletes_or_overwrites_checkpoints_it_did_not_write(tmp_path, caplog, monkeypatch):
+    """Checkpoints written by another run of the same directory survive a run started with
+    --resume none: retention keeps them and a checkpoint of the same step moves them aside."""
+    with monkeypatch.context() as other_process:  # what a process knows of its own writes starts empty
+        other_process.setattr(ckpt, "_written", set())
+        other_process.setattr(ckpt, "_resumed_step", {})
         for step in (1, 2, 3):
-            save_checkpoint({str(tmp_path)!r}, step, {{"model": {{"w": torch.full((2,), -1.0)}}}}, {{}}, {{}}, keep_last=0)
-    """)
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            save_checkpoint(tmp_path, step, {"model": {"w": torch.full((2,), -1.0)}}, {}, {}, keep_last=0)
     foreign = {s: (tmp_path / "checkpoints" / ckpt.checkpoint_dir_name(s) / "model.safetensors").read_bytes()
                for s in (1, 2, 3)}
     assert resolve_resume(tmp_path, "none") is None
