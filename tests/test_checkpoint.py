@@ -393,3 +393,118 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     for a, b in zip(resumed.ema.shadow, straight.ema.shadow):
         assert torch.equal(a, b)
     assert resumed.optimizer.param_groups[0]["lr"] == straight.optimizer.param_groups[0]["lr"]
+
+
+# ---------------------------------------------------------------------- trusted only after checks
+
+
+def vouch(step_dir: Path, *names: str) -> None:
+    """Rewrite the COMPLETE marker so that it lists ``names`` with their current size and sha256:
+    what a tool (or an attacker) that edits a checkpoint and its marker together leaves."""
+    marker = json.loads((step_dir / ckpt.MARKER).read_text())
+    for name in names:
+        marker["files"][name] = {"num_bytes": (step_dir / name).stat().st_size, "sha256": ckpt._sha256(step_dir / name)}
+    (step_dir / ckpt.MARKER).write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize("damage", ["pickle", "truncated", "text"])
+def test_a_file_that_is_not_safetensors_is_a_one_line_error_naming_it(tmp_path, damage):
+    path = _save(tmp_path, 1)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "pickle":
+        torch.save({"w": torch.zeros(3, 2)}, weights)
+    elif damage == "truncated":
+        weights.write_bytes(data[: len(data) // 2])
+    else:
+        weights.write_text("version https://git-lfs.github.com/spec/v1\n")
+    vouch(path, "model.safetensors")
+    for verify in (True, False):
+        with pytest.raises(UserError, match=r"model\.safetensors: not a readable safetensors file") as e:
+            load_checkpoint(path, verify=verify)
+        assert str(weights) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_truncated_state_file_is_a_one_line_error(tmp_path):
+    path = _save(tmp_path, 1)
+    state = path / ckpt.STATE
+    state.write_bytes(state.read_bytes()[:40])
+    vouch(path, ckpt.STATE)
+    with pytest.raises(UserError, match=r"state\.pt: not a readable torch state file") as e:
+        load_checkpoint(path)
+    assert "\n" not in str(e.value)
+
+
+def test_names_from_meta_and_marker_never_leave_the_checkpoint(tmp_path):
+    """A tensor group named ../../x in meta.json (and a marker listing ../ files) made the loader
+    read files outside the checkpoint: names are checked on load as they are on save."""
+    path = _save(tmp_path / "run", 1)
+    save_file_outside = tmp_path / "secret.safetensors"
+    import safetensors.torch
+
+    safetensors.torch.save_file({"stolen": torch.ones(2)}, save_file_outside)
+    meta = json.loads((path / ckpt.META).read_text())
+    meta["tensors"] = ["model", "../../../secret"]
+    (path / ckpt.META).write_text(json.dumps(meta))
+    marker = json.loads((path / ckpt.MARKER).read_text())
+    marker["files"]["../../../secret.safetensors"] = {"num_bytes": save_file_outside.stat().st_size,
+                                                      "sha256": ckpt._sha256(save_file_outside)}
+    (path / ckpt.MARKER).write_text(json.dumps(marker))
+    vouch(path, ckpt.META)
+    assert (path / "../../../secret.safetensors").resolve() == save_file_outside
+    with pytest.raises(UserError, match="not a complete checkpoint") as e:
+        load_checkpoint(path)
+    assert "'../../../secret.safetensors'" in str(e.value)
+    # The marker alone is fixed: meta.json's group name is refused by the same rule as on save.
+    del marker["files"]["../../../secret.safetensors"]
+    (path / ckpt.MARKER).write_text(json.dumps(marker))
+    vouch(path, ckpt.META)
+    with pytest.raises(UserError, match=r"tensor group name '\.\./\.\./\.\./secret'"):
+        load_checkpoint(path)
+    assert ckpt.find_latest(tmp_path / "run") is None  # never picked for a resume either
+    with pytest.raises(ValueError, match="tensor group name"):
+        save_checkpoint(tmp_path / "other", 1, {"../x": {"w": torch.zeros(1)}}, {}, {}, keep_last=1)
+
+
+def test_resume_auto_stops_when_no_checkpoint_is_usable(tmp_path):
+    path = _save(tmp_path, 4)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    marker = json.loads((path / ckpt.MARKER).read_text())
+    marker["files"]["model.safetensors"]["num_bytes"] += 1  # a stale marker from another write
+    (path / ckpt.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(UserError) as e:
+        resolve_resume(tmp_path, "auto")
+    msg = str(e.value)
+    assert "none usable" in msg and "step-00000004" in msg and "--resume none" in msg and "--resume PATH" in msg
+    assert "\n" not in msg
+    assert resolve_resume(tmp_path, "none") is None  # the way to start over
+    assert {p.name: p.read_bytes() for p in path.iterdir() if p.name != ckpt.MARKER} == \
+        {k: v for k, v in before.items() if k != ckpt.MARKER}
+    empty = tmp_path / "fresh"
+    assert resolve_resume(empty, "auto") is None  # no checkpoints at all: a new run
+
+
+def test_a_run_never_deletes_or_overwrites_checkpoints_it_did_not_write(tmp_path, caplog, monkeypatch):
+    """Checkpoints written by another run of the same directory survive a run started with
+    --resume none: retention keeps them and a checkpoint of the same step moves them aside."""
+    with monkeypatch.context() as other_process:  # what a process knows of its own writes starts empty
+        other_process.setattr(ckpt, "_written", set())
+        other_process.setattr(ckpt, "_resumed_step", {})
+        for step in (1, 2, 3):
+            save_checkpoint(tmp_path, step, {"model": {"w": torch.full((2,), -1.0)}}, {}, {}, keep_last=0)
+    foreign = {s: (tmp_path / "checkpoints" / ckpt.checkpoint_dir_name(s) / "model.safetensors").read_bytes()
+               for s in (1, 2, 3)}
+    assert resolve_resume(tmp_path, "none") is None
+    with caplog.at_level(logging.WARNING, logger="latentforge.checkpoint"):
+        for step in (2, 4, 5):
+            _save(tmp_path, step, keep_last=1)
+    assert "not written by this run" in caplog.text
+    assert _steps(tmp_path) == [1, 3, 5]  # own step 2 and 4 pruned; the foreign 1 and 3 kept
+    kept = [p for p in (tmp_path / "checkpoints").iterdir() if ".kept-" in p.name]
+    assert [p.name.split(".")[0] for p in kept] == ["step-00000002"]
+    assert (kept[0] / "model.safetensors").read_bytes() == foreign[2]
+    assert load_checkpoint(kept[0]).step == 2  # complete, loadable
+    # Resuming the run (auto) makes its checkpoints at or before the resume point its own.
+    assert resolve_resume(tmp_path, "auto").name == "step-00000005"
+    _save(tmp_path, 6, keep_last=1)
+    assert _steps(tmp_path) == [6]

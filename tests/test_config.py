@@ -93,3 +93,62 @@ def test_float_written_without_a_dot():
     assert cfg.inner.rate == 1e-4
     with pytest.raises(ConfigError, match="inner.rate: expected a number"):
         from_dict(Outer, {"inner": {"rate": "fast"}})
+
+
+# ------------------------------------------------------------------ optional sections of the recipe
+
+
+def _optional_sections(cls, prefix: str = "") -> list[tuple[str, type]]:
+    """(dotted path, dataclass) of every ``SomeConfig | None`` field reachable from ``cls``
+    through nested sections (list items are not walked: they have no defaults to reach them by)."""
+    import dataclasses
+    import types
+    import typing
+
+    found = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            found += _optional_sections(tp, path + ".")
+        elif typing.get_origin(tp) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if type(None) in typing.get_args(tp) and len(args) == 1 and dataclasses.is_dataclass(args[0]):
+                found.append((path, args[0]))
+                found += _optional_sections(args[0], path + ".")
+    return found
+
+
+def test_an_error_inside_an_optional_section_names_its_field():
+    from latentforge.recipe import Recipe
+
+    sections = _optional_sections(Recipe)
+    assert {"train.ema", "train.lora"} <= {p for p, _ in sections}  # the walk reaches them
+    for path, _ in sections:
+        data: dict = {}
+        node = data
+        for key in path.split("."):
+            node = node.setdefault(key, {})
+        node["no_such_key"] = 1
+        with pytest.raises(ConfigError) as e:
+            from_dict(Recipe, data)
+        assert str(e.value).startswith(f"{path}.no_such_key: unknown key"), str(e.value)
+    with pytest.raises(ConfigError, match=r"^train\.ema\.decay: must be in \(0, 1\)"):
+        from_dict(Recipe, {"train": {"ema": {"decay": 1.5}}})
+    with pytest.raises(ConfigError, match=r"^train\.lora\.rank: expected an integer"):
+        from_dict(Recipe, {"train": {"lora": {"rank": "big"}}})
+    # A value of another shape still gets the type message of the union.
+    with pytest.raises(ConfigError, match=r"^train\.ema: expected a mapping, got 3"):
+        from_dict(Recipe, {"train": {"ema": 3}})
+    assert from_dict(Recipe, {"train": {"ema": None}}).train.ema is None
+
+
+def test_cli_config_errors_are_one_line(capsys):
+    from latentforge.cli import main
+
+    assert main(["config", "show", "--recipe", "tiny-cpu", "train.ema.decay=1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err == "latentforge: error: train.ema.decay: must be in (0, 1), got 1.5\n"
+    assert main(["config", "show", "--recipe", "tiny-cpu", "train.optim.lr"]) == 2
+    err = capsys.readouterr().err
+    assert err == "latentforge: error: override 'train.optim.lr': expected key.path=value\n"

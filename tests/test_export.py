@@ -448,3 +448,40 @@ def test_sample_refuses_nothing_to_do(build_run, tmp_path, capsys, flag, value):
     args[args.index(flag) + 1] = value
     assert main(args) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("latentforge: error: generate: ")
+
+
+def _vouch(step_dir: Path, *names: str) -> None:
+    marker = json.loads((step_dir / ckpt.MARKER).read_text())
+    for name in names:
+        marker["files"][name] = {"num_bytes": (step_dir / name).stat().st_size, "sha256": ckpt._sha256(step_dir / name)}
+    (step_dir / ckpt.MARKER).write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize("damage", ["pickle", "truncated"])
+def test_weights_that_are_not_safetensors_are_one_line_for_sample_and_export(run_copy, tmp_path, capsys, damage):
+    step_dir = ckpt.find_latest(run_copy)
+    weights = step_dir / "ema.safetensors"  # what sample and export read by default
+    if damage == "pickle":
+        torch.save({"w": torch.zeros(2)}, weights)
+    else:
+        weights.write_bytes(weights.read_bytes()[:100])
+    _vouch(step_dir, weights.name)
+    assert main(_sample_args(run_copy, tmp_path / "samples")) == 2
+    _one_error_line(capsys, str(weights), "not a readable safetensors file")
+    assert main(["export", "--checkpoint", str(run_copy), "--out", str(tmp_path / "out")]) == 2
+    _one_error_line(capsys, str(weights), "not a readable safetensors file")
+    assert not (tmp_path / "samples").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_traversal_name_in_meta_json_is_refused(run_copy, tmp_path, capsys):
+    step_dir = ckpt.find_latest(run_copy)
+    outside = run_copy.parent / "stolen.safetensors"
+    shutil.copyfile(step_dir / "ema.safetensors", outside)
+    meta = json.loads((step_dir / ckpt.META).read_text())
+    meta["tensors"].append("../../../stolen")
+    (step_dir / ckpt.META).write_text(json.dumps(meta))
+    _vouch(step_dir, ckpt.META)
+    for args in (_sample_args(step_dir, tmp_path / "samples"),
+                 ["export", "--checkpoint", str(step_dir), "--out", str(tmp_path / "out")]):
+        assert main(args) == 2
+        _one_error_line(capsys, "tensor group name '../../../stolen'")

@@ -391,3 +391,18 @@ def test_full_finetune_with_fsdp_cpu_offload_on_one_process(assets, tmp_path, mo
     finetune(resumed)
     assert metrics(resumed) == metrics(straight)
     assert_same_tensors(load_step(straight, STEPS), load_step(resumed, STEPS), groups=("model",))
+
+
+@pytest.mark.parametrize("component", ["unet", "vae"])
+def test_a_base_weights_file_that_is_not_safetensors_is_one_line(assets, tmp_path, capsys, component):
+    """A pickle in place of the base pipeline's .safetensors: refused in one line naming the file,
+    exit code 2, nothing unpickled (torch.load would run it; safetensors only parses)."""
+    pipe = Path(shutil.copytree(assets["sd1"], tmp_path / "pipe"))
+    weights = sorted((pipe / component).glob("*.safetensors"))
+    assert weights
+    torch.save({"w": torch.zeros(2)}, weights[0])
+    args = finetune_args(assets, "sd1", tmp_path / "run")
+    args[args.index("--from") + 1] = str(pipe)
+    assert main(args) == 2
+    _one_error_line(capsys, str(weights[0]))
+    assert not list((tmp_path / "run").glob("checkpoints/step-*"))

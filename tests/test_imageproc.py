@@ -107,10 +107,44 @@ def test_size_filters():
         ip.process_image(data, CFG, ip.FilterConfig(max_aspect=2.0))
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])  # JPEG: the filters run on the header, before decoding
+def test_default_filters_reject_tiny_images_and_slivers(fmt):
+    """Defaults (auto): shorter side >= half the resolution, aspect <= 2x the widest target's."""
+    cfg = ip.ImageConfig(resolution=256, format="png")
+    assert ip.size_limits(ip.FilterConfig(), cfg) == (128, 2.0)
+    with pytest.raises(ip.Reject, match=r"too_small: 8x8: shorter side 8 < min_side 128"):
+        ip.process_image(_bytes(Image.new("RGB", (8, 8)), fmt), cfg, FILTERS)
+    with pytest.raises(ip.Reject, match=r"bad_aspect: 2000x200: aspect 10.00 > max_aspect 2.0"):
+        ip.process_image(_bytes(Image.new("RGB", (2000, 200)), fmt), cfg, FILTERS)
+    with pytest.raises(ip.Reject, match="too_small"):  # 20x2000: too narrow before its aspect is looked at
+        ip.process_image(_bytes(Image.new("RGB", (20, 2000)), fmt), cfg, FILTERS)
+    # At the bounds: kept. 128 px is a 2x upscale; 2:1 keeps half the image in the crop.
+    assert ip.process_image(_bytes(Image.new("RGB", (128, 128)), fmt), cfg, FILTERS).width == 256
+    assert ip.process_image(_bytes(Image.new("RGB", (512, 256)), fmt), cfg, FILTERS).width == 256
+    # 0 turns each off: the 8x8 image is upscaled, the sliver cropped.
+    off = ip.FilterConfig(min_side=0, max_aspect=0)
+    assert ip.process_image(_bytes(Image.new("RGB", (8, 8)), fmt), cfg, off).width == 256
+    assert ip.process_image(_bytes(Image.new("RGB", (20, 2000)), fmt), cfg, off).height == 256
+
+
+def test_with_buckets_the_aspect_bound_follows_the_widest_bucket():
+    cfg = ip.ImageConfig(resolution=64, crop="buckets", bucket_step=16, bucket_max_aspect=4.0, format="png")
+    buckets = ip.bucket_sizes(64, 16, 4.0)
+    widest = max(w / h for w, h in buckets)
+    assert widest == 4.0  # 128x32
+    assert ip.size_limits(ip.FilterConfig(), cfg) == (32, 8.0)
+    assert ip.process_image(_bytes(Image.new("RGB", (320, 40)), "PNG"), cfg, FILTERS).width == 128  # 8:1
+    with pytest.raises(ip.Reject, match="bad_aspect: 360x40: aspect 9.00 > max_aspect 8.0"):
+        ip.process_image(_bytes(Image.new("RGB", (360, 40)), "PNG"), cfg, FILTERS)
+    narrow = ip.ImageConfig(resolution=64, crop="buckets", bucket_step=16, bucket_max_aspect=1.5, format="png")
+    assert ip.bucket_sizes(64, 16, 1.5) == [(64, 64)]  # 80x48 would be 1.67:1
+    assert ip.size_limits(ip.FilterConfig(), narrow)[1] == 2.0
+
+
 def test_center_crop_keeps_the_center():
     img = Image.new("RGB", (96, 32), (0, 0, 0))
     img.paste((255, 255, 255), (32, 0, 64, 32))  # white center third
-    arr = _decode_out(ip.process_image(_bytes(img, "PNG"), CFG, FILTERS))
+    arr = _decode_out(ip.process_image(_bytes(img, "PNG"), CFG, ip.FilterConfig(max_aspect=0)))  # 3:1, filter off
     assert arr.mean() > 250
 
 

@@ -213,7 +213,8 @@ def test_cli_ingest_and_one_line_errors(tmp_path, capsys):
     assert main(["ingest", str(src), "--out", str(tmp_path / "out"), "--resolution", "32", "--quiet",
                  "ingest.image.format=png", "ingest.num_workers=1"]) == 0
     out = capsys.readouterr().out
-    assert "seen 13, written 7" in out and "rejected 6" in out  # min_side is off by default
+    # The 10x10 image is below the default min_side (auto: 16 at 32 px).
+    assert "seen 13, written 6" in out and "rejected 7" in out and "too_small 1" in out
     assert main(["ingest", str(tmp_path / "nope"), "--out", str(tmp_path / "o2"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("latentforge: error:") and len(err.strip().splitlines()) == 1
@@ -221,3 +222,55 @@ def test_cli_ingest_and_one_line_errors(tmp_path, capsys):
     assert "ingest.image.resolutoin: unknown key" in capsys.readouterr().err
     assert main(["ingest", str(src), "--out", str(tmp_path / "o4"), "ingest.num_workers=-1"]) == 2
     assert "ingest.num_workers" in capsys.readouterr().err
+
+
+def test_default_filters_reject_tiny_images_and_slivers_and_say_so(tmp_path, capsys):
+    """`ingest DIR --out OUT --resolution 256` with no filter settings: an 8x8 image and a
+    20x2000 sliver are rejected and counted, with the thresholds in the ledger and the summary."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, size in {"tiny": (8, 8), "sliver": (20, 2000), "wide": (2000, 400), "ok": (300, 200)}.items():
+        (src / f"{name}.png").write_bytes(png((200, 10, 10), size))
+        (src / f"{name}.txt").write_text(f"the {name} one")
+    out = tmp_path / "out"
+    assert main(["ingest", str(src), "--out", str(out), "--resolution", "256", "--quiet", "ingest.num_workers=1"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rejected"] == {"too_small": 2, "bad_aspect": 1} and summary["written"] == 1
+    assert summary["seen"] == summary["written"] + summary["num_rejected"]
+    assert summary["size_filters"] == {"min_side": 128, "max_aspect": 2.0,
+                                       "settings": {"min_side": "auto", "max_aspect": "auto"}}
+    ledger = {json.loads(line)["key"]: json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()}
+    assert ledger["src/tiny.png"]["detail"] == "8x8: shorter side 8 < min_side 128"
+    assert ledger["src/sliver.png"]["reason"] == "too_small"
+    assert ledger["src/wide.png"]["detail"] == "2000x400: aspect 5.00 > max_aspect 2.0"
+    assert "too_small 2" in capsys.readouterr().out
+    # Turned off: everything is kept.
+    off = tmp_path / "off"
+    assert main(["ingest", str(src), "--out", str(off), "--resolution", "256", "--quiet", "ingest.num_workers=1",
+                 "ingest.filters.min_side=0", "ingest.filters.max_aspect=0"]) == 0
+    assert json.loads((off / "summary.json").read_text())["written"] == 4
+
+
+def test_refused_paths_are_in_the_ledger_and_the_counts(tmp_path):
+    """The path rule end to end: links and escaping metadata rows are rejected with their reason,
+    counted in summary.json, and seen = written + rejected still holds."""
+    secret = tmp_path / "outside/secret.png"
+    secret.parent.mkdir()
+    secret.write_bytes(png((1, 2, 3)))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(png((50, 60, 70)))
+    (src / "link.png").symlink_to(secret)
+    (src / "link.txt").write_text("a link")
+    (src / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"file_name": "a.png", "text": "kept"}, {"file_name": "../outside/secret.png", "text": "escapes"}]))
+    summary = ingest([str(src)], tmp_path / "out", cfg(), progress=False)
+    assert summary["rejected"] == {"outside_source": 1, "symlink": 1} and summary["written"] == 1
+    assert summary["seen"] == 3 == summary["written"] + summary["num_rejected"]
+    assert summary["follow_symlinks"] is False
+    ledger = [json.loads(line) for line in (tmp_path / "out/rejected.jsonl").read_text().splitlines()]
+    assert sorted((r["key"], r["reason"]) for r in ledger) == [("src/../outside/secret.png", "outside_source"),
+                                                               ("src/link.png", "symlink")]
+    followed = ingest([str(src)], tmp_path / "followed", cfg(source=SourceConfig(follow_symlinks=True)),
+                      progress=False)
+    assert followed["rejected"] == {"outside_source": 1} and followed["written"] == 2

@@ -168,8 +168,6 @@ def test_metadata_csv(tmp_path: Path):
 
 @pytest.mark.parametrize("content, match", [
     ('{"file_name": "a.png", "text": "x"}\nnot json\n', "line 2: not valid JSON"),
-    ('{"file_name": "../a.png", "text": "x"}\n', "points outside"),
-    ('{"file_name": "/etc/passwd", "text": "x"}\n', "points outside"),
     ('{"text": "x"}\n', "no file_name"),
     ('{"file_name": "a.png"}\n{"file_name": "./a.png"}\n', "already described"),
 ])
@@ -344,7 +342,8 @@ def test_parquet_hf_struct_and_paths(tmp_path: Path):
         "punsafe": [0.1, 0.2, 0.3],
     }), tmp_path / "ds/paths.parquet")
     got = read_all([tmp_path / "ds/paths.parquet"])[0]
-    assert [(r.image, r.caption, r.error) for r in got] == [(png, "p0", None), (png + b"b", "p1", None),
+    # An absolute path outside the parquet's folder is refused (test_path_rule_* below).
+    assert [(r.image, r.caption, r.error) for r in got] == [(png, "p0", None), (None, None, "outside_source"),
                                                           (None, None, "missing_file")]
     assert got[0].meta == {"punsafe": 0.1}
 
@@ -485,3 +484,143 @@ def test_s3_sources_match_local(s3_endpoint, tmp_path: Path, txt_folder: Path):
         plan_units([f"s3://{bucket}/nothing-here"], SourceConfig())
     with pytest.raises(UserError, match="cannot list"):
         plan_units(["s3://no-such-bucket-xyz/p"], SourceConfig())
+
+
+# ---------------------------------------------------------------- the path rule (confine)
+
+
+@pytest.fixture
+def opened(monkeypatch) -> list[str]:
+    """Every address the sources read through storage.read_bytes / open_stream, in order."""
+    seen: list[str] = []
+    read, stream = storage.read_bytes, storage.open_stream
+    monkeypatch.setattr(storage, "read_bytes", lambda uri: (seen.append(str(uri)), read(uri))[1])
+    monkeypatch.setattr(storage, "open_stream", lambda uri: (seen.append(str(uri)), stream(uri))[1])
+    return seen
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> dict[str, Path]:
+    """Files outside every source: an image and a 'system file' that must never be opened."""
+    return {"image": write(tmp_path / "outside/secret.png", image_bytes(color=(1, 99, 1))),
+            "system": write(tmp_path / "outside/passwd", "root:x:0:0:secret\n")}
+
+
+def test_path_rule_folder_refuses_symlinks_unless_followed(tmp_path: Path, outside, opened):
+    root = tmp_path / "imgs"
+    write(root / "ok.png", image_bytes())
+    write(root / "ok.txt", "an image of its own")
+    (root / "link.png").symlink_to(outside["image"])  # a link to an image outside the folder
+    write(root / "link.txt", "caption of the link")
+    (root / "sys.png").symlink_to(outside["system"])  # a link to a system file, named like an image
+    write(root / "own.png", image_bytes(color=(5, 5, 5)))
+    (root / "own.txt").symlink_to(outside["system"])  # a caption file linked to a system file
+    (root / "inner.png").symlink_to(root / "ok.png")  # a link inside the folder: refused too by default
+    got = by_key(read_all([root])[0])
+    assert got["imgs/ok.png"].error is None and got["imgs/ok.png"].caption == "an image of its own"
+    for key in ("imgs/link.png", "imgs/sys.png", "imgs/own.png", "imgs/inner.png"):
+        assert (got[key].error, got[key].image, got[key].caption) == ("symlink", None, None), key
+    assert "follow_symlinks" in got["imgs/sys.png"].detail
+    assert str(outside["system"]) not in opened and str(outside["image"]) not in opened
+    assert not [u for u in opened if u.endswith(("link.png", "sys.png", "own.txt", "inner.png"))]
+
+    followed = by_key(read_all([root], SourceConfig(follow_symlinks=True))[0])
+    assert followed["imgs/link.png"].image == outside["image"].read_bytes()
+    assert followed["imgs/own.png"].caption == outside["system"].read_text()  # the user vouched for the link
+    assert followed["imgs/inner.png"].image == image_bytes()
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv"])
+def test_path_rule_metadata_file_name_stays_in_the_source(tmp_path: Path, outside, opened, kind):
+    root = tmp_path / "hf"
+    write(root / "train/a.png", image_bytes())
+    names = ["train/a.png", "../outside/secret.png", str(outside["system"]), str(root / "train/b.png"),
+             "train/../../outside/other.png", "train/link.png"]
+    write(root / "train/b.png", image_bytes(color=(3, 3, 3)))
+    (root / "train/link.png").symlink_to(outside["image"])
+    if kind == "jsonl":
+        write(root / "metadata.jsonl", "".join(json.dumps({"file_name": n, "text": f"c{i}"}) + "\n"
+                                               for i, n in enumerate(names)))
+    else:
+        write(root / "metadata.csv", "file_name,text\n" + "".join(f"{n},c{i}\n" for i, n in enumerate(names)))
+    recs, _, stats = read_all([root])
+    errors = {r.source: r.error for r in recs}
+    assert errors[str(root / "train/a.png")] is None
+    assert errors[str(root / "train/b.png")] is None  # an absolute path inside the source is fine
+    assert errors[str(root / "train/link.png")] == "symlink"
+    refused = [r for r in recs if r.error == "outside_source"]
+    assert len(refused) == 3 and all(r.image is None and r.caption is None for r in refused)
+    assert len(recs) == stats["expected_records"] == 6 and stats["missing_files"] == 0
+    assert not [u for u in opened if "outside" in u]
+
+
+def test_path_rule_parquet_path_column_stays_in_the_source(tmp_path: Path, outside, opened):
+    src = tmp_path / "ds"
+    png = image_bytes()
+    write(src / "images/a.png", png)
+    (src / "images/link.png").symlink_to(outside["image"])
+    pq.write_table(pa.table({
+        "path": ["images/a.png", "../../outside/secret.png", str(outside["system"]), "images/link.png",
+                 "images/../images/a.png", "s3://bucket/x.png", "../../../../../../../../etc/passwd"],
+        "caption": [f"c{i}" for i in range(7)],
+    }), write(src / "part/p.parquet", b""))
+    # Named as a directory: the root is ds/, so ../images/a.png from part/ stays inside it.
+    pq.write_table(pa.table({"path": ["../images/a.png", "../../outside/secret.png"], "caption": ["x", "y"]}),
+                   src / "part/q.parquet")
+    got = by_key(read_all([src])[0])
+    assert [got[f"ds/part/p/{i}"].error for i in range(7)] == [
+        "missing_file", "outside_source", "outside_source", "missing_file", "missing_file", "outside_source",
+        "outside_source"]  # p.parquet's paths are relative to part/, where there are no images
+    assert (got["ds/part/q/0"].image, got["ds/part/q/1"].error) == (png, "outside_source")
+    # Named as a file: the root is its folder.
+    pq.write_table(pa.table({"path": ["images/a.png", "../outside/secret.png", "images/link.png"],
+                             "caption": ["a", "b", "c"]}), src / "top.parquet")
+    got = read_all([src / "top.parquet"])[0]
+    assert [(r.image, r.error) for r in got] == [(png, None), (None, "outside_source"), (None, "symlink")]
+    assert not [u for u in opened if "outside" in u or u == "/etc/passwd"]
+
+
+def test_path_rule_linked_tar_or_parquet_in_a_directory_is_one_rejected_record(tmp_path: Path, outside, opened):
+    elsewhere = tmp_path / "elsewhere"
+    make_tar(elsewhere / "0.tar", [("a.jpg", image_bytes("JPEG")), ("a.txt", "a")])
+    make_tar(tmp_path / "shards/1.tar", [("b.jpg", image_bytes("JPEG")), ("b.txt", "b")])
+    (tmp_path / "shards/0.tar").symlink_to(elsewhere / "0.tar")
+    recs, units, stats = read_all([tmp_path / "shards"])
+    assert [(r.key, r.error) for r in recs] == [("shards/0", "symlink"), ("shards/1/b", None)]
+    assert [s["kind"] for s in stats["sources"]] == ["tar"]
+    assert str(tmp_path / "shards/0.tar") not in opened
+    recs = read_all([tmp_path / "shards"], SourceConfig(follow_symlinks=True))[0]
+    assert [(r.key, r.error) for r in recs] == [("shards/0/a", None), ("shards/1/b", None)]
+    # A file the user names is read even through a link: they named it.
+    assert [r.error for r in read_all([tmp_path / "shards/0.tar"])[0]] == [None]
+
+
+def test_path_rule_s3_keys_stay_under_the_prefix(s3_endpoint, tmp_path: Path):
+    bucket, other = new_bucket(), new_bucket()
+    client = storage.s3_client()
+    put = lambda b, k, data: client.put_object(Bucket=b, Key=k, Body=data)
+    png = image_bytes()
+    put(bucket, "data/imgs/a.png", png)
+    put(bucket, "data/imgs/a.txt", "a")
+    put(bucket, "data/imgs/x/../../../secret/b.png", png)  # a key with '..': refused, even though it exists
+    put(bucket, "data/imgs/x/../../../secret/b.txt", "b")
+    put(bucket, "secret/s.png", image_bytes(color=(9, 9, 9)))
+    put(other, "o.png", png)
+    put(bucket, "data/imgs/metadata.jsonl", "".join(json.dumps(r) + "\n" for r in [
+        {"file_name": "a.png", "text": "a"}, {"file_name": "../../secret/s.png", "text": "up"},
+        {"file_name": f"s3://{other}/o.png", "text": "other bucket"},
+        {"file_name": f"s3://{bucket}/secret/s.png", "text": "same bucket, outside the prefix"}]))
+    recs = read_all([f"s3://{bucket}/data/imgs"])[0]
+    errors = {r.source: r.error for r in recs}
+    assert errors[f"s3://{bucket}/data/imgs/a.png"] is None
+    assert errors[f"s3://{bucket}/data/imgs/x/../../../secret/b.png"] == "outside_source"
+    assert [r.error for r in recs].count("outside_source") == 4 and len(recs) == 5
+    put(bucket, "pq/images/c.png", png)
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"path": ["images/c.png", "../secret/s.png", f"s3://{other}/o.png",
+                                      f"s3://{bucket}/secret/s.png", f"s3://{bucket}/pq/images/c.png", "/etc/passwd"],
+                             "caption": list("abcdef")}), path)
+    put(bucket, "pq/p.parquet", path.read_bytes())
+    got = read_all([f"s3://{bucket}/pq/p.parquet"])[0]
+    assert [r.error for r in got] == [None, "outside_source", "outside_source", "outside_source", None,
+                                      "outside_source"]

@@ -447,3 +447,104 @@ def test_cli_bad_input_exits_2_with_one_line(latent_data, tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2
         assert err.startswith(f"latentforge: error: {start}") and err.count("\n") == 1, err
+
+
+def _recipe_file(latent_data, tmp_path: Path, *overrides: str) -> Path:
+    cfg = run_config(latent_data, *overrides)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"train": cfg["train"], "loader": cfg["data"]}))
+    return recipe
+
+
+def test_resume_auto_stops_over_a_run_whose_checkpoints_are_all_unusable(straight, latent_data, tmp_path, capsys):
+    """The only checkpoint has a stale marker: `train --resume auto` stops in one line that says
+    how to go on, and leaves the checkpoint as it was (before: a warning, step 0, overwritten)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    shutil.rmtree(run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(STEPS // 2))
+    only = run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(STEPS)
+    marker = json.loads((only / ckpt.MARKER).read_text())
+    marker["files"]["model.safetensors"]["num_bytes"] -= 8  # from an earlier write of this directory
+    (only / ckpt.MARKER).write_text(json.dumps(marker))
+    before = {p.name: p.read_bytes() for p in only.iterdir()}
+    metrics_before = (run_dir / "metrics.jsonl").read_bytes()
+    recipe = _recipe_file(latent_data, tmp_path)
+    assert cli_main(["train", str(run_dir), "--recipe", str(recipe), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("latentforge: error: ") and only.name in err
+    assert "--resume none" in err and "--resume PATH" in err
+    assert {p.name: p.read_bytes() for p in only.iterdir()} == before
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+    assert sorted(p.name for p in (run_dir / ckpt.CHECKPOINTS).iterdir()) == [only.name]
+
+
+def test_resume_from_weights_that_are_not_safetensors_is_one_line(straight, latent_data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    newest = run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(STEPS)
+    torch.save({"w": torch.zeros(2)}, newest / "model.safetensors")  # a pickle, with a marker vouching for it
+    marker = json.loads((newest / ckpt.MARKER).read_text())
+    marker["files"]["model.safetensors"] = {"num_bytes": (newest / "model.safetensors").stat().st_size,
+                                            "sha256": ckpt._sha256(newest / "model.safetensors")}
+    (newest / ckpt.MARKER).write_text(json.dumps(marker))
+    recipe = _recipe_file(latent_data, tmp_path, f"train.phases.0.steps={STEPS + 2}")
+    assert cli_main(["train", str(run_dir), "--recipe", str(recipe), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"latentforge: error: {newest / 'model.safetensors'}: not a readable safetensors file")
+    assert err.count("\n") == 1
+
+
+def _last_logged_step(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+    except (OSError, ValueError):
+        return 0
+
+
+def test_sigkill_at_random_points_resumes_bitwise(straight, latent_data, tmp_path):
+    """The chaos test, fast: a tiny run with a checkpoint every step is SIGKILLed at random points
+    (after a random step, or while a checkpoint is being written), rerun with --resume auto
+    each time, then finished: every logged step and the final model and EMA equal the
+    uninterrupted run bit for bit, and no checkpoint is kept aside or left half-written. The
+    training processes are forked from this one (a fresh interpreter would spend ~10 s importing
+    torch per kill); the kill is a real SIGKILL of a real process."""
+    import multiprocessing as mp
+    import random
+
+    cfg = run_config(latent_data, "train.checkpoint.every_steps=1", "train.checkpoint.keep_last=2")
+    run_dir = tmp_path / "run"
+    rng = random.Random(13)
+    ctx = mp.get_context("fork")
+    kills = mid_write = 0
+    for round_ in range(6):
+        done = ckpt.find_latest(run_dir)
+        start = ckpt.load_checkpoint(done, verify=False).step if done else 0
+        if start >= STEPS - 1:
+            break
+        target = rng.randint(start + 1, STEPS - 1)  # kill once this step is logged, before the run ends
+        proc = ctx.Process(target=run, args=(cfg, run_dir))
+        proc.start()
+        try:
+            deadline = time.monotonic() + 120
+            during_write = round_ % 2 == 1
+            tmp = run_dir / ckpt.CHECKPOINTS / f"{ckpt.checkpoint_dir_name(target)}.tmp-{proc.pid}"
+            while not (tmp.exists() if during_write else _last_logged_step(run_dir) >= target):
+                assert proc.is_alive(), f"the run ended (exit code {proc.exitcode}) before the kill"
+                assert time.monotonic() < deadline, "no progress in 120 s"
+                time.sleep(0.001)
+            if not during_write:
+                time.sleep(rng.uniform(0.0, 0.05))
+            assert proc.is_alive(), "the run ended before the kill: nothing was tested"
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.join(30)
+        assert proc.exitcode == -signal.SIGKILL
+        kills += 1
+        mid_write += tmp.exists()  # killed before the checkpoint was renamed into place
+    assert kills >= 3 and mid_write >= 1, (kills, mid_write)
+    summary = run(cfg, run_dir)
+    assert summary["step"] == STEPS and summary["finished"]
+    assert_same_run(straight, run_dir)
+    names = sorted(p.name for p in (run_dir / ckpt.CHECKPOINTS).iterdir())
+    assert names == [ckpt.checkpoint_dir_name(STEPS - 1), ckpt.checkpoint_dir_name(STEPS)], names

@@ -62,6 +62,8 @@ __all__ = [
     "clean_state_dict_keys",
     "checkpoint_dir_name",
     "begin_checkpoint",
+    "load_safetensors",
+    "keep_aside",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,13 @@ _FINAL_RE = re.compile(r"^step-\d{8,}$")
 # until the new one is renamed in, ".del-" a checkpoint being deleted by retention.
 _WORK_RE = re.compile(r"^(step-\d{8,})\.(tmp|old|del)-(\d+)$")
 _HASH_CHUNK = 16 << 20  # bytes read at a time when hashing (sha256: about 1.7 GB/s here)
+_KEPT = "kept"  # suffix of a foreign checkpoint moved aside when this run writes the same step
+
+# What this process may delete or replace: the checkpoints it wrote itself, and those of the run
+# it resumed (at or before the step it resumed from). Anything else in a run directory (an earlier
+# run's checkpoints kept after `--resume none`, an unusable one) is never deleted or overwritten.
+_written: set[str] = set()  # resolved paths of the checkpoints saved by this process
+_resumed_step: dict[str, int] = {}  # resolved checkpoints root -> step this process resumed from
 
 
 @dataclass
@@ -210,6 +219,12 @@ def _delete(root: Path, path: Path) -> None:
     shutil.rmtree(doomed)
 
 
+def _owned(root: Path, step: int, path: Path) -> bool:
+    """Whether this process wrote the checkpoint ``path`` or resumed from it or a later one."""
+    resumed = _resumed_step.get(str(root.resolve()))
+    return str(path.resolve()) in _written or (resumed is not None and step <= resumed)
+
+
 def _apply_retention(root: Path, step: int, keep_last: int, keep_every: int) -> None:
     """Keep the checkpoint of ``step``, the ``keep_last - 1`` newest older checkpoints and the milestones
     (step % keep_every == 0); delete the other older ones. Checkpoints with a later step (from a
@@ -227,6 +242,8 @@ def _apply_retention(root: Path, step: int, keep_last: int, keep_every: int) -> 
     for i, (s, path) in enumerate(older):
         if i < keep_last - 1 or (keep_every > 0 and s % keep_every == 0):
             continue
+        if not _owned(root, s, path):
+            continue  # another run's checkpoint (e.g. before `--resume none`): never deleted
         log.info("retention: deleting %s (keep_last=%d, keep_every=%d)", path, keep_last, keep_every)
         _delete(root, path)
     _fsync_path(root)
@@ -266,9 +283,10 @@ def save_checkpoint(
 
     # Everything that can fail on bad input fails here, before anything is written.
     for group in tensors:
-        if not _GROUP_RE.match(group) or group in ("state", "meta"):
-            raise ValueError(f"save_checkpoint: tensor group name {group!r} must match [A-Za-z0-9_-]+ "
-                             "and not be 'state' or 'meta'")
+        try:
+            _check_group_name(group)
+        except ValueError as e:
+            raise ValueError(f"save_checkpoint: {e}") from None
     reserved = sorted(set(meta) & set(_RESERVED_META))
     if reserved:
         raise ValueError(f"save_checkpoint: meta keys {reserved} are reserved (written by save_checkpoint)")
@@ -313,6 +331,7 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         _fsync_path(tmp)
+        foreign = final.exists() and not _owned(root, step, final)
         if final.exists():
             log.warning("replacing existing checkpoint %s", final)
             old = root / f"{final.name}.old-{os.getpid()}"
@@ -324,12 +343,27 @@ def save_checkpoint(
         if old is not None and not final.exists():
             os.rename(old, final)
         raise
-    if old is not None:
+    _written.add(str(final.resolve()))
+    if old is not None and foreign:
+        kept = keep_aside(old, final.name)
+        log.warning("%s was not written by this run: kept as %s", final, kept)
+    elif old is not None:
         shutil.rmtree(old)
     num_bytes = sum(f["num_bytes"] for f in files.values())
     log.info("saved checkpoint %s (%.1f MB in %.1f s)", final, num_bytes / 1e6, time.perf_counter() - started)
     _apply_retention(root, step, keep_last, keep_every)
     return final
+
+
+def keep_aside(path: Path, name: str | None = None) -> Path:
+    """Rename the checkpoint directory ``path`` to ``<name>.kept-<time>-<pid>`` beside it (``name``:
+    its final name, default its own): out of the way of a new checkpoint of the same step, ignored
+    by :func:`find_latest` and retention, and never deleted by latentforge."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    kept = path.parent / f"{name or path.name}.{_KEPT}-{stamp}-{os.getpid()}"
+    os.rename(path, kept)
+    _fsync_path(path.parent)
+    return kept
 
 
 def begin_checkpoint(run_dir: str | os.PathLike, step: int) -> Path:
@@ -359,6 +393,8 @@ def _read_marker(path: Path) -> dict[str, Any]:
     if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
         raise ValueError(f"{MARKER} is not a {FORMAT} marker")
     files = marker["files"]
+    for name in files:
+        _check_file_name(name)
     for name in (META, STATE):
         if name not in files:
             raise ValueError(f"{MARKER} does not list {name}")
@@ -372,10 +408,36 @@ def _read_marker(path: Path) -> dict[str, Any]:
     return marker
 
 
+def _check_file_name(name: Any) -> None:
+    """A file name listed in the marker: a relative path inside the checkpoint (``dcp/__0_0.distcp``),
+    never absolute and never through ``..``, so that reading it cannot leave the directory."""
+    parts = name.split("/") if isinstance(name, str) else []
+    if not parts or "\\" in name or any(p in ("", ".", "..") for p in parts) or ":" in parts[0]:
+        raise ValueError(f"{MARKER} lists the file name {name!r}, which is not a plain path inside the checkpoint")
+
+
+def _check_group_name(group: Any) -> None:
+    """The rule for tensor group names, on save and on load: ``<group>.safetensors`` stays inside
+    the checkpoint and cannot be confused with the state or meta files."""
+    if not isinstance(group, str) or not _GROUP_RE.match(group) or group in ("state", "meta"):
+        raise ValueError(f"tensor group name {group!r} must match [A-Za-z0-9_-]+ and not be 'state' or 'meta'")
+
+
 def _read_meta(path: Path) -> dict[str, Any]:
-    meta = json.loads((path / META).read_text())
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"unreadable {META} ({e})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
         raise ValueError(f"{META} has no integer step")
+    groups = meta.get("tensors")
+    if not isinstance(groups, list):
+        raise ValueError(f"{META} has no list of tensor groups")
+    for group in groups:
+        try:
+            _check_group_name(group)
+        except ValueError as e:
+            raise ValueError(f"{META}: {e}") from None
     return meta
 
 
@@ -423,23 +485,43 @@ def load_checkpoint(
     try:
         marker = _read_marker(path)
         meta = _read_meta(path)
+        unlisted = [g for g in meta["tensors"] if f"{g}.safetensors" not in marker["files"]]
+        if unlisted:
+            raise ValueError(f"{META} names the tensor group {unlisted[0]!r} but {MARKER} does not list "
+                             f"{unlisted[0]}.safetensors")
     except ValueError as e:
         raise UserError(f"{path}: not a complete checkpoint: {e}") from None
     if verify:
         for name, info in marker["files"].items():
             if _sha256(path / name) != info.get("sha256"):
                 raise UserError(f"{path / name}: sha256 does not match {MARKER}: the file is corrupted or was modified")
-    device = str(map_location)
-    tensors = {g: safetensors.torch.load_file(path / f"{g}.safetensors", device=device) for g in meta["tensors"]
+    tensors = {g: load_safetensors(path / f"{g}.safetensors", device=str(map_location)) for g in meta["tensors"]
                if groups is None or g in groups}
     try:
         state = torch.load(path / STATE, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
-            f"{path / STATE}: refusing to load: it holds objects other than tensors and plain containers ({first_line})"
+            f"{path / STATE}: refusing to load: it holds objects other than tensors and plain containers "
+            f"({_first_line(e)})"
         ) from None
+    except (RuntimeError, EOFError, OSError) as e:  # not a torch.save archive (truncated, another format)
+        raise UserError(f"{path / STATE}: not a readable torch state file ({_first_line(e)})") from None
     return Checkpoint(path=path, tensors=tensors, state=state, meta=meta)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; :class:`UserError` naming the file when it is not one
+    (a pickle, a truncated file): safetensors parses only a JSON header and raw bytes, so a file
+    of another format is refused, never executed."""
+    try:
+        return safetensors.torch.load_file(path, device=device)
+    except (safetensors.SafetensorError, OSError) as e:
+        raise UserError(f"{path}: not a readable safetensors file ({_first_line(e)})") from None
 
 
 def resolve_resume(run_dir: str | os.PathLike, resume: str | os.PathLike) -> Path | None:
@@ -447,9 +529,14 @@ def resolve_resume(run_dir: str | os.PathLike, resume: str | os.PathLike) -> Pat
     when there is none), ``"none"`` = None, anything else = that checkpoint directory, which must
     be complete."""
     if resume == "none":
+        _note_resume(run_dir, None)
         return None
     if resume == "auto":
-        return find_latest(run_dir)
+        latest = find_latest(run_dir)
+        if latest is None:
+            _refuse_unusable(Path(run_dir) / CHECKPOINTS)
+        _note_resume(run_dir, latest)
+        return latest
     path = Path(resume)
     if not path.is_dir():
         raise UserError(f"resume {path}: no such checkpoint directory (use auto, none or a step-NNNNNNNN directory)")
@@ -458,4 +545,36 @@ def resolve_resume(run_dir: str | os.PathLike, resume: str | os.PathLike) -> Pat
         _read_meta(path)
     except ValueError as e:
         raise UserError(f"resume {path}: not a complete checkpoint: {e}") from None
+    _note_resume(run_dir, path)
     return path
+
+
+def _note_resume(run_dir: str | os.PathLike, path: Path | None) -> None:
+    """Remember which checkpoints of ``run_dir`` belong to the run this process continues: those
+    up to the one it resumes from (retention may prune them); none when it starts afresh."""
+    root = str((Path(run_dir) / CHECKPOINTS).resolve())
+    if path is not None and Path(path).resolve().parent == Path(root):
+        _resumed_step[root] = _read_meta(Path(path))["step"]
+    else:
+        _resumed_step.pop(root, None)
+
+
+def _refuse_unusable(root: Path) -> None:
+    """``--resume auto`` found no usable checkpoint: if the run directory holds checkpoints anyway,
+    stop rather than silently train from step 0 beside (and later over) them."""
+    if not root.is_dir():
+        return
+    bad = []
+    for entry in sorted(root.iterdir()):
+        if entry.is_dir() and _FINAL_RE.match(entry.name):
+            try:
+                _read_marker(entry)
+                _read_meta(entry)
+            except ValueError as e:
+                bad.append(f"{entry.name}: {e}")
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise UserError(
+            f"{root}: holds {len(bad)} checkpoint(s), none usable ({bad[-1]}{more}); to resume, pass "
+            "--resume PATH of a checkpoint you trust; to start over from step 0, pass --resume none "
+            "(the unusable checkpoints are kept)")

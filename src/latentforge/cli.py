@@ -389,7 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = _split_overrides(argv)
     parser = build_parser()
-    ns = parser.parse_args(args)
+    ns, unknown = parser.parse_known_args(args)
+    keys = [tok for tok in unknown if "." in tok and _OVERRIDE.match(tok + "=")]
+    if keys:  # `train.optim.lr` without `=value`: one line, not argparse's usage
+        print(f"latentforge: error: override {keys[0]!r}: expected key.path=value", file=sys.stderr)
+        return 2
+    if unknown:
+        parser.parse_args(args)  # argparse's own message for anything else it did not recognise
     if not hasattr(ns, "fn"):
         # `latentforge` or `latentforge data` alone: show the help of that level.
         parser.parse_args(args + ["--help"])

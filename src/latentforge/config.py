@@ -58,6 +58,17 @@ def _describe(tp: Any) -> str:
     return names.get(origin or tp, "a mapping" if dataclasses.is_dataclass(tp) else _type_name(tp))
 
 
+def _same_shape(value: Any, tp: Any) -> bool:
+    """Whether ``value`` has the container shape ``tp`` expects (a mapping for a dataclass or
+    dict, a list for a list or tuple), so that an error inside it is about its content."""
+    origin = get_origin(tp) or tp
+    if isinstance(value, dict):
+        return origin is dict or dataclasses.is_dataclass(tp)
+    if isinstance(value, (list, tuple)):
+        return origin in (list, tuple)
+    return False
+
+
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Check ``value`` against the annotation ``tp`` and return it in canonical form."""
     origin = get_origin(tp)
@@ -74,7 +85,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             try:
                 return _coerce(value, arg, path)
             except ConfigError as e:
-                errors.append(e)
+                errors.append((arg, e))
+        # A value of the shape of exactly one alternative (a mapping for `EMAConfig | None`) failed
+        # inside it: its own message names the field that is wrong (train.ema.decay), so pass it on.
+        shaped = [e for arg, e in errors if _same_shape(value, arg)]
+        if len(shaped) == 1:
+            raise shaped[0]
         raise ConfigError(f"{path}: expected {_describe(tp)}, got {value!r}")
     if origin is Literal:
         choices = get_args(tp)

@@ -24,8 +24,8 @@ REASONS = (
     "not_an_image",  # Pillow does not recognise the bytes as an image
     "corrupt_image",  # recognised, but decoding failed (truncated, broken data)
     "decompression_bomb",  # more pixels than Pillow's MAX_IMAGE_PIXELS
-    "too_small",  # shorter side below filters.min_side
-    "bad_aspect",  # long/short side above filters.max_aspect
+    "too_small",  # shorter side below filters.min_side (default: half the resolution)
+    "bad_aspect",  # long/short side above filters.max_aspect (default: twice the widest target's)
     "no_caption",  # no caption found for the image
     "empty_caption",  # caption present but blank
     "caption_too_short",
@@ -45,10 +45,19 @@ class Reject(Exception):
 
 @dataclass
 class FilterConfig:
-    """Which samples are kept. Thresholds apply to the source image before resizing."""
+    """Which samples are kept. Thresholds apply to the source image before resizing.
 
-    min_side: int = field(default=0, metadata={"help": "reject images whose shorter side (px) is below this; 0 = off"})
-    max_aspect: float = field(default=0.0, metadata={"help": "reject images with long/short side above this; 0 = off"})
+    The size filters are on by default (docs/decisions.md, "Ingest filters"): an image whose
+    shorter side is below half the target resolution would be upscaled more than 2x, and one
+    whose aspect ratio is more than twice that of the widest target (1:1 for a center crop, the
+    widest bucket with buckets) would lose more than half of itself to the crop."""
+
+    min_side: int | Literal["auto"] = field(default="auto", metadata={
+        "help": "reject images whose shorter side (px) is below this; auto = half of image.resolution "
+                "(rounded up); 0 = off"})
+    max_aspect: float | Literal["auto"] = field(default="auto", metadata={
+        "help": "reject images with long/short side above this; auto = 2 x the widest target's aspect "
+                "(2.0 for a center crop, 2 x the widest bucket's with buckets); 0 = off"})
     min_caption_chars: int = field(default=1, metadata={"help": "reject captions shorter than this (after stripping)"})
     max_caption_chars: int = field(default=1000, metadata={"help": "reject captions longer than this; 0 = off"})
     min_values: dict[str, float] = field(
@@ -60,10 +69,10 @@ class FilterConfig:
     dedup: bool = field(default=True, metadata={"help": "reject exact duplicates (same source image bytes)"})
 
     def validate(self) -> None:
-        if self.min_side < 0:
-            raise ConfigError("min_side: must be >= 0")
-        if self.max_aspect and self.max_aspect < 1:
-            raise ConfigError("max_aspect: must be >= 1 (long side / short side) or 0 for off")
+        if self.min_side != "auto" and self.min_side < 0:
+            raise ConfigError("min_side: must be >= 0 (0 = off) or auto")
+        if self.max_aspect != "auto" and self.max_aspect and self.max_aspect < 1:
+            raise ConfigError("max_aspect: must be >= 1 (long side / short side), 0 for off, or auto")
         if self.min_caption_chars < 0 or self.max_caption_chars < 0:
             raise ConfigError("min_caption_chars: must be >= 0")
         if self.max_caption_chars and self.max_caption_chars < self.min_caption_chars:
@@ -210,9 +219,27 @@ def encode(img: Image.Image, cfg: ImageConfig) -> bytes:
     return buf.getvalue()
 
 
+def size_limits(filters: FilterConfig, cfg: ImageConfig,
+                buckets: list[tuple[int, int]] | None = None) -> tuple[int, float]:
+    """``(min_side, max_aspect)`` in effect (0 = off), with ``auto`` resolved for this target:
+    half the resolution, and twice the aspect of the widest target (1 for a center crop)."""
+    min_side = math.ceil(cfg.resolution / 2) if filters.min_side == "auto" else int(filters.min_side)
+    if filters.max_aspect == "auto":
+        if cfg.crop == "buckets":
+            sizes = buckets or bucket_sizes(cfg.resolution, cfg.bucket_step, cfg.bucket_max_aspect)
+            widest = max(max(w, h) / min(w, h) for w, h in sizes)
+        else:
+            widest = 1.0
+        max_aspect = round(2.0 * widest, 4)
+    else:
+        max_aspect = float(filters.max_aspect)
+    return min_side, max_aspect
+
+
 def process_image(data: bytes, cfg: ImageConfig, filters: FilterConfig,
                   buckets: list[tuple[int, int]] | None = None) -> ProcessedImage:
     """Decode (once), check size filters, resize and crop, encode. Raises :class:`Reject`."""
+    limits = size_limits(filters, cfg, buckets)
     img = _open(data, cfg.max_pixels)
     header_size = None
     if img.format == "JPEG":
@@ -221,25 +248,26 @@ def process_image(data: bytes, cfg: ImageConfig, filters: FilterConfig,
         # target (2-8x less work on large photos).
         w, h = img.size
         header_size = (h, w) if img.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
-        _check_size(*header_size, filters)
+        _check_size(*header_size, *limits)
         tw, th = _target(*header_size, cfg, buckets)
         scale = max(tw, th) / min(w, h)
         img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
     img = _load(img)
     orig_w, orig_h = header_size or img.size  # the source size, oriented (a draft decode is smaller)
-    _check_size(orig_w, orig_h, filters)
+    _check_size(orig_w, orig_h, *limits)
     tw, th = _target(orig_w, orig_h, cfg, buckets)
     out = resize_crop(img, tw, th)
     return ProcessedImage(encode(out, cfg), cfg.format, tw, th, orig_w, orig_h)
 
 
-def _check_size(w: int, h: int, filters: FilterConfig) -> None:
+def _check_size(w: int, h: int, min_side: int, max_aspect: float) -> None:
+    """The size filters; the ledger's detail names the threshold (ingest.filters.* = 0 turns it off)."""
     if min(w, h) < 1:
         raise Reject("corrupt_image", f"{w}x{h} pixels")
-    if filters.min_side and min(w, h) < filters.min_side:
-        raise Reject("too_small", f"{w}x{h} < {filters.min_side}")
-    if filters.max_aspect and max(w, h) / min(w, h) > filters.max_aspect:
-        raise Reject("bad_aspect", f"{w}x{h} aspect {max(w, h) / min(w, h):.2f} > {filters.max_aspect}")
+    if min_side and min(w, h) < min_side:
+        raise Reject("too_small", f"{w}x{h}: shorter side {min(w, h)} < min_side {min_side}")
+    if max_aspect and max(w, h) / min(w, h) > max_aspect:
+        raise Reject("bad_aspect", f"{w}x{h}: aspect {max(w, h) / min(w, h):.2f} > max_aspect {max_aspect}")
 
 
 def _target(w: int, h: int, cfg: ImageConfig, buckets: list[tuple[int, int]] | None) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from latentforge.data.imageproc import (
     check_values,
     process_image,
     sha256_hex,
+    size_limits,
 )
 from latentforge.data.sources import SourceConfig, WorkUnit, iter_records, plan_units
 from latentforge.errors import ConfigError, UserError
@@ -282,11 +283,16 @@ def _finalize(out: Path, units: list[WorkUnit], listing: dict, cfg: IngestConfig
     if num_seen != num_written + num_rejected:  # an invariant: a broken one is a bug, never data loss
         raise RuntimeError(f"ingest accounting: seen {num_seen} != written {num_written} + rejected {num_rejected}")
     storage.atomic_write_bytes(out / "rejected.jsonl", ("\n".join(rejected_lines) + "\n" if rejected_lines else "").encode())
+    min_side, max_aspect = size_limits(cfg.filters, cfg.image)
     summary = {
         "seen": num_seen,
         "written": num_written,
         "rejected": dict(sorted(counts.items())),
         "num_rejected": num_rejected,
+        # The size filters in effect (0 = off) and the settings they come from ("auto" by default).
+        "size_filters": {"min_side": min_side, "max_aspect": max_aspect,
+                         "settings": {"min_side": cfg.filters.min_side, "max_aspect": cfg.filters.max_aspect}},
+        "follow_symlinks": cfg.source.follow_symlinks,
         "num_shards": len(shards),
         "num_units": len(units),
         "listing": listing,

@@ -7,6 +7,8 @@ decoded here). Every sample a unit holds is yielded exactly once, either with it
 an ``error`` the ingest counts as a rejection:
 
 - ``missing_file``: a metadata row or a parquet path names a file that does not exist
+- ``outside_source``: a path that leaves the source the user named (see below); never read
+- ``symlink``: a symbolic link, unless ``follow_symlinks`` is set; never read
 - ``unsafe_path``: a tar member with an absolute path, a ``..`` component, or a link/device; never read
 - ``caption_decode_error``: a caption file that is not valid UTF-8
 - ``meta_decode_error``: a tar ``.json`` member that is not a UTF-8 JSON object
@@ -28,6 +30,15 @@ are usually side files of that kind: img2dataset writes a metadata ``.parquet`` 
 are counted in the listing (``ignored_files``) with a note; pass them as a source of their own to
 ingest them. Files and directories whose name starts with ``.`` are ignored too (``._x.jpg`` is
 macOS metadata, not an image).
+
+Paths never escape the source a user named. :func:`confine` is the one rule every read of a file
+goes through (folder images and their captions, metadata.jsonl/csv ``file_name``, parquet path
+columns, the tars and parquets of a directory; local or S3): the path is resolved and must lie
+under the source root (the directory named, or the folder of a named file; for S3 the bucket and
+prefix, and a key with a ``..`` component is refused), and on a local disk no part of it below the
+root may be a symbolic link unless ``follow_symlinks`` is set (then links are followed wherever
+they point: the user vouches for them). Links to directories are never descended while listing.
+A refused path becomes a rejected record (``outside_source`` or ``symlink``) with its reason.
 
 Keys are ``<source name>/<path within the source>``: ``imgs/a/x.jpg`` for a folder image,
 ``laion/00000/000000012`` for a tar sample, ``coyo/part-0/17`` (row 17) for a parquet row. The
@@ -87,6 +98,9 @@ class SourceConfig:
         "help": "split a parquet file into units of about this many rows (whole row groups); 0 = one unit per file"})
     caption_ext: str = field(default=".txt", metadata={
         "help": "extension of the caption file next to an image (a/x.jpg + a/x.txt), and of the caption member of a tar sample"})
+    follow_symlinks: bool = field(default=False, metadata={
+        "help": "read files reached through symbolic links (wherever they point); false = reject them as 'symlink'. "
+                "Paths outside the source (../x, /etc/x, another bucket) are rejected either way"})
 
     def validate(self) -> None:
         for name in ("image_column", "caption_column"):
@@ -105,12 +119,14 @@ class SourceConfig:
 class WorkUnit:
     """One piece of work for one worker; picklable, and named by :meth:`unit_id` in the ledger."""
 
-    kind: str  # "files" | "tar" | "parquet"
+    kind: str  # "files" | "tar" | "parquet" | "refused" (a file the path rule refuses: one rejected record)
     uri: str  # the tar or parquet file, or the folder of "files"
     name: str  # key prefix of its records, unique within the run
-    items: tuple = ()  # "files": (image_uri, caption_uri | None, metadata_row_json | None) per image
+    items: tuple = ()  # "files": (image_uri, caption_uri | None, metadata_row_json | None) per image;
+    #                    "refused": (reason, detail)
     row_groups: tuple = ()  # "parquet": the row groups of this unit; () = all
     part: int = 0  # "files": index of this chunk of the folder
+    root: str = ""  # the source root that paths read by this unit must stay under
 
     def unit_id(self) -> str:
         if self.kind == "files":
@@ -233,6 +249,53 @@ def _read_file(uri: str) -> tuple[bytes | None, str | None, str]:
     return data, None, ""
 
 
+def confine(uri: str, root: str, follow_symlinks: bool) -> tuple[str | None, str]:
+    """``(None, "")`` when ``uri`` may be read as part of the source ``root``, else ``(reason,
+    detail)``: ``outside_source`` when it resolves outside the root (or is on another store or
+    bucket, or an S3 key has a ``..`` component), ``symlink`` when a local path goes through a
+    symbolic link below the root and ``follow_symlinks`` is off. The root itself (the path the
+    user named) may be or lie under a link."""
+    if storage.is_s3(root):
+        if not storage.is_s3(uri):
+            return "outside_source", f"{uri}: a local path named in the S3 source {root}"
+        bucket, key = storage.split_s3(uri)
+        root_bucket, prefix = storage.split_s3(root)
+        prefix = prefix.strip("/")
+        if ".." in key.split("/"):
+            return "outside_source", f"{uri}: the key has a '..' component"
+        if bucket != root_bucket or (prefix and not key.startswith(prefix + "/")):
+            return "outside_source", f"{uri}: outside the source {root}"
+        return None, ""
+    if storage.is_s3(uri):
+        return "outside_source", f"{uri}: an S3 address named in the local source {root}"
+    rel = os.path.relpath(os.path.abspath(uri), os.path.abspath(root))
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        return "outside_source", f"{uri}: outside the source {root}"
+    real_root = os.path.realpath(root)
+    lexical = os.path.normpath(os.path.join(real_root, rel))
+    real = os.path.realpath(lexical)
+    if real != lexical and not follow_symlinks:
+        return "symlink", (f"{uri}: a symbolic link (to {real}); set ingest.source.follow_symlinks=true "
+                           "to read links")
+    return None, ""
+
+
+def _read_confined(uri: str, root: str, cfg: SourceConfig) -> tuple[bytes | None, str | None, str]:
+    """:func:`_read_file` of a path that :func:`confine` allows; else its refusal."""
+    reason, detail = confine(uri, root, cfg.follow_symlinks)
+    if reason:
+        return None, reason, detail
+    return _read_file(uri)
+
+
+def _key_part(uri: str, root: str) -> str:
+    """The path of ``uri`` relative to ``root`` for a record key (``../x.png`` for a local path
+    outside it), or ``uri`` itself when that is not a path under the same root."""
+    if storage.is_s3(root):
+        return _rel(uri, root) if uri.startswith(root.rstrip("/") + "/") else uri
+    return uri if storage.is_s3(uri) else _rel(uri, root)
+
+
 # ---------------------------------------------------------------- planning
 
 
@@ -272,7 +335,8 @@ def _list(source: str) -> list[storage.FileEntry]:
 
 
 def _hidden(rel: str) -> bool:
-    return any(part.startswith(".") for part in rel.split("/"))
+    """``.DS_Store``, ``._x.jpg``, ``.git/``; not an S3 key's ``..`` component (refused by :func:`confine`)."""
+    return any(part.startswith(".") and part not in (".", "..") for part in rel.split("/"))
 
 
 def _unique_name(base: str, used: set[str]) -> str:
@@ -307,17 +371,18 @@ def plan_units(sources: list[str], cfg: SourceConfig) -> tuple[list[WorkUnit], d
             base = storage.basename(source)
             if _has_ext(base, TAR_EXTS):
                 name = _unique_name(_strip_ext(base, TAR_EXTS), used_names)
-                new = [WorkUnit("tar", source, name)]
+                new = [WorkUnit("tar", source, name, root=_parent(source))]
                 listing.files["tar"] += 1
             elif _has_ext(base, PARQUET_EXTS):
                 name = _unique_name(_strip_ext(base, PARQUET_EXTS), used_names)
-                new = _plan_parquet(source, name, cfg, listing)
+                new = _plan_parquet(source, name, cfg, listing, _parent(source))
             else:
                 raise UserError(f"{raw}: not a .tar, .tar.gz, .tgz or .parquet file, nor a directory of images")
         else:
             name = _unique_name(storage.basename(source).rstrip("/"), used_names)
             new = _plan_directory(source, raw, name, entries, cfg, listing)
-        kind = {"files": "folder"}.get(new[0].kind, new[0].kind)
+        kinds = [u.kind for u in new if u.kind != "refused"] or ["refused"]
+        kind = {"files": "folder"}.get(kinds[0], kinds[0])
         listing.sources.append({"source": raw, "kind": kind, "name": name, "num_units": len(new)})
         units.extend(new)
     stats = {
@@ -329,7 +394,7 @@ def plan_units(sources: list[str], cfg: SourceConfig) -> tuple[list[WorkUnit], d
         "parquet_rows": listing.parquet_rows,
         # Records the units will yield, when known before reading (a tar's sample count is not).
         "expected_records": None if listing.files["tar"] else (
-            sum(len(u.items) for u in units if u.kind == "files") + listing.parquet_rows),
+            sum(len(u.items) for u in units if u.kind in ("files", "refused")) + listing.parquet_rows),
         "ignored_files": listing.ignored_files,
         "ignored_by_ext": dict(sorted(listing.ignored_by_ext.items())),
         "ignored_examples": listing.ignored_examples,
@@ -363,9 +428,13 @@ def _plan_directory(root: str, raw: str, name: str, entries: list[storage.FileEn
             unit_name = f"{name}/{_strip_ext(_rel(e.uri, root), TAR_EXTS + PARQUET_EXTS)}"
             if kind == "tar":
                 listing.files["tar"] += 1
-                units.append(WorkUnit("tar", e.uri, unit_name))
+            reason, detail = confine(e.uri, root, cfg.follow_symlinks)
+            if reason:  # never opened: one rejected record stands for the whole file
+                units.append(WorkUnit("refused", e.uri, unit_name, items=((reason, detail),), root=root))
+            elif kind == "tar":
+                units.append(WorkUnit("tar", e.uri, unit_name, root=root))
             else:
-                units.extend(_plan_parquet(e.uri, unit_name, cfg, listing))
+                units.extend(_plan_parquet(e.uri, unit_name, cfg, listing, root))
         return units
     return _plan_folder(root, raw, name, visible, cfg, listing)
 
@@ -429,10 +498,13 @@ def _plan_folder(root: str, raw: str, name: str, entries: list[storage.FileEntry
             captions[rel[: -len(cap_ext)]] = e.uri
         else:
             listing.ignore(e.uri)
-    rows: dict[str, tuple[str, dict[str, Any]]] = {}  # rel path -> (where it was described, row)
+    rows: dict[str, tuple[str, dict[str, Any], str]] = {}  # rel path -> (where described, row, image uri)
     meta_dirs: dict[str, str] = {}
     for meta_uri in metadata:
         listing.files["metadata"] += 1
+        reason, detail = confine(meta_uri, root, cfg.follow_symlinks)
+        if reason:  # it would describe the whole folder: stop rather than guess without it
+            raise UserError(f"{detail} (a metadata file of {raw}); move it into the source or set its images apart")
         meta_dir = posixpath.dirname(_rel(meta_uri, root))
         if meta_dir in meta_dirs:
             raise UserError(f"{meta_uri}: {meta_dirs[meta_dir]} is in the same directory; keep one metadata file")
@@ -442,17 +514,20 @@ def _plan_folder(root: str, raw: str, name: str, entries: list[storage.FileEntry
             file_name = row.pop("file_name", None)
             if not isinstance(file_name, str) or not file_name:
                 raise UserError(f"{where}: no file_name (the image path relative to the metadata file)")
-            rel = posixpath.normpath(posixpath.join(meta_dir, file_name))
-            if file_name.startswith("/") or rel == ".." or rel.startswith("../") or storage.is_s3(file_name):
-                raise UserError(f"{where}: file_name {file_name!r} points outside {raw}")
+            if storage.is_s3(file_name) or file_name.startswith("/") or os.path.isabs(file_name):
+                uri = file_name  # an absolute address: allowed only inside the source (confine, when read)
+                rel = _key_part(uri if storage.is_s3(uri) else os.path.normpath(uri), root)
+            else:  # relative to the metadata file; a ../ that leaves the source is refused when read
+                rel = posixpath.normpath(posixpath.join(meta_dir, file_name))
+                uri = storage.join(root, rel) if storage.is_s3(root) else os.path.join(root, rel)
             if rel in rows:
                 raise UserError(f"{where}: {file_name!r} is already described in {rows[rel][0]}")
             if meta_uri.lower().endswith(".csv"):
                 row = {k: (v if k in ("text", "caption", cfg.caption_column) else _csv_value(v)) for k, v in row.items()}
-            rows[rel] = (where, row)
+            rows[rel] = (where, row, uri)
     listing.metadata_rows += len(rows)
-    for rel in rows:
-        if rel not in images:
+    for rel, (_, _, uri) in rows.items():
+        if rel not in images and confine(uri, root, cfg.follow_symlinks)[0] is None:
             listing.missing_files += 1
     all_rels = sorted(set(images) | set(rows))
     if not all_rels:
@@ -468,19 +543,20 @@ def _plan_folder(root: str, raw: str, name: str, entries: list[storage.FileEntry
         if cap is not None:
             used_captions.add(stem)
         row = rows.get(rel)
-        image_uri = images.get(rel) or storage.join(root, rel)
+        image_uri = images.get(rel) or row[2]
         items.append((image_uri, cap, json.dumps(row[1], sort_keys=True) if row else None))
     listing.files["caption"] += len(used_captions)
     for stem, uri in captions.items():
         if stem not in used_captions:
             listing.ignore(uri)
     n = cfg.folder_chunk
-    return [WorkUnit("files", root, name, tuple(items[i: i + n]), part=i // n) for i in range(0, len(items), n)]
+    return [WorkUnit("files", root, name, tuple(items[i: i + n]), part=i // n, root=root)
+            for i in range(0, len(items), n)]
 
 
 def _iter_files(unit: WorkUnit, cfg: SourceConfig) -> Iterator[SourceRecord]:
     for image_uri, caption_uri, row_json in unit.items:
-        key = f"{unit.name}/{_rel(image_uri, unit.uri)}"
+        key = f"{unit.name}/{_key_part(image_uri, unit.uri)}"
         row = json.loads(row_json) if row_json else {}
         caption_col = cfg.caption_column or _find_column(list(row), ("text", "caption"))
         license_col = _find_column(list(row), ("license",))
@@ -489,7 +565,7 @@ def _iter_files(unit: WorkUnit, cfg: SourceConfig) -> Iterator[SourceRecord]:
         meta = _meta(row, {caption_col, license_col})
         error, detail = None, ""
         if caption is None and caption_uri is not None:
-            data, error, detail = _read_file(caption_uri)
+            data, error, detail = _read_confined(caption_uri, unit.uri, cfg)
             if data is not None:
                 try:
                     caption = data.decode("utf-8")
@@ -499,7 +575,9 @@ def _iter_files(unit: WorkUnit, cfg: SourceConfig) -> Iterator[SourceRecord]:
                 caption, error, detail = "", None, ""  # an empty caption file is a blank caption
         image = None
         if error is None:
-            image, error, detail = _read_file(image_uri)
+            image, error, detail = _read_confined(image_uri, unit.uri, cfg)
+        if error:
+            caption = None  # a rejected record carries no data
         yield SourceRecord(image_uri, key, image, None if caption is None else str(caption), lic, meta, error, detail)
 
 
@@ -766,7 +844,7 @@ def _parquet_columns(schema, cfg: SourceConfig, uri: str) -> _Columns:
                     "error_message" if "error_message" in names else None)
 
 
-def _plan_parquet(uri: str, name: str, cfg: SourceConfig, listing: _Listing) -> list[WorkUnit]:
+def _plan_parquet(uri: str, name: str, cfg: SourceConfig, listing: _Listing, root: str) -> list[WorkUnit]:
     from botocore.exceptions import BotoCoreError, ClientError
     import pyarrow as pa
 
@@ -780,19 +858,21 @@ def _plan_parquet(uri: str, name: str, cfg: SourceConfig, listing: _Listing) -> 
     listing.files["parquet"] += 1
     listing.parquet_rows += sum(rows_per_group)
     if not cfg.parquet_unit_rows or sum(rows_per_group) <= cfg.parquet_unit_rows:
-        return [WorkUnit("parquet", uri, name)]
+        return [WorkUnit("parquet", uri, name, root=root)]
     units, groups, rows = [], [], 0
     for i, n in enumerate(rows_per_group):
         groups.append(i)
         rows += n
         if rows >= cfg.parquet_unit_rows or i == len(rows_per_group) - 1:
-            units.append(WorkUnit("parquet", uri, name, row_groups=tuple(groups)))
+            units.append(WorkUnit("parquet", uri, name, row_groups=tuple(groups), root=root))
             groups, rows = [], 0
     return units
 
 
-def _parquet_image(value: Any, cols: _Columns, base: str) -> tuple[bytes | None, str | None, str]:
-    """(bytes, error, detail) of one row's image cell."""
+def _parquet_image(value: Any, cols: _Columns, base: str, root: str,
+                   cfg: SourceConfig) -> tuple[bytes | None, str | None, str]:
+    """(bytes, error, detail) of one row's image cell; a path is relative to the parquet's folder
+    ``base`` and must stay inside the source ``root``."""
     path = None
     if cols.image_kind == "bytes":
         data = value
@@ -801,8 +881,12 @@ def _parquet_image(value: Any, cols: _Columns, base: str) -> tuple[bytes | None,
     else:
         data, path = None, value
     if data is None and path:
-        uri = path if storage.is_s3(path) or os.path.isabs(path) else storage.join(base, path)
-        return _read_file(uri)
+        if storage.is_s3(path) or os.path.isabs(path):
+            uri = path
+        else:
+            rel = posixpath.normpath(path)  # as a local path resolves, also on S3
+            uri = f"{base.rstrip('/')}/{rel}" if storage.is_s3(base) else os.path.join(base, rel)
+        return _read_confined(uri, root, cfg)
     if data is None:
         return None, "no_image", f"column {cols.image!r} is empty"
     if not data:
@@ -869,7 +953,7 @@ def _parquet_record(unit: WorkUnit, r: dict[str, Any], row: int, cols: _Columns,
             caption = bytes(caption).decode("utf-8")
         except UnicodeDecodeError as e:
             return SourceRecord(source, key, None, None, lic, meta, "caption_decode_error", str(e))
-    image, error, detail = _parquet_image(r.get(cols.image), cols, base)
+    image, error, detail = _parquet_image(r.get(cols.image), cols, base, unit.root or base, cfg)
     return SourceRecord(source, key, image, None if caption is None or error else str(caption), lic, meta, error, detail)
 
 
@@ -885,4 +969,7 @@ def iter_records(unit: WorkUnit, cfg: SourceConfig) -> Iterator[SourceRecord]:
         return _iter_tar(unit, cfg)
     if unit.kind == "parquet":
         return _iter_parquet(unit, cfg)
+    if unit.kind == "refused":
+        (reason, detail), = unit.items
+        return iter([SourceRecord(unit.uri, unit.name, None, None, cfg.license, {}, reason, detail)])
     raise ValueError(f"unknown work unit kind {unit.kind!r}")

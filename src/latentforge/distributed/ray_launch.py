@@ -192,8 +192,8 @@ def _restore_uploaded(ray_train: Any, run_dir: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     reported.to_directory(str(tmp))
-    if final.exists():  # an incomplete copy: resume=auto would skip it
-        shutil.rmtree(final)
+    if final.exists():  # unusable (resume=auto skipped it), but not ours to delete: moved aside
+        log.warning("%s is not a usable checkpoint: kept as %s", final, ckpt.keep_aside(final))
     os.rename(tmp, final)
     log.info("restored checkpoint %s from %s", final, reported.path)
 
