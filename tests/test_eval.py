@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,15 +27,22 @@ import scipy.linalg
 import torch
 from PIL import Image
 
-from latent_fixtures import latent_data  # noqa: F401
 from latentforge.cli import main
 from latentforge.config import from_dict
+from latentforge.data.encode import EncodeConfig, encode_dataset
 from latentforge.errors import UserError
 from latentforge.evaluate import metrics
 from latentforge.evaluate.eval import EvalConfig, evaluate, generate_all
 from latentforge.evaluate.features import INCEPTION_SIZE, EncoderExtractor, InceptionExtractor, clean_resize, load_clip
 from latentforge.train.run import RunConfig, train
-from tiny_models import make_tiny_clip_model, make_tiny_dinov2, make_tiny_inception_weights
+from tiny_models import (
+    make_raw_dataset,
+    make_tiny_bert,
+    make_tiny_clip_model,
+    make_tiny_dinov2,
+    make_tiny_inception_weights,
+    make_tiny_vae,
+)
 
 PROMPTS = ["a small red circle in the corner", "a big blue square", "a tiny green star", "a large white cross"]
 
@@ -225,21 +233,32 @@ def test_clip_score_matches_a_direct_cosine(models):
 # ---------------------------------------------------------------- the evaluation run
 
 
+@dataclass(frozen=True)
+class TinyRun:
+    path: Path  # the run directory
+    raw: Path  # its raw dataset (16 px, captions): prompts and reference images
+
+
 @pytest.fixture(scope="module")
-def tiny_run(latent_data, tmp_path_factory) -> Path:  # noqa: F811
+def tiny_run(tmp_path_factory) -> TinyRun:
+    """A run of 2 steps on 12 raw images at 16 px; its VAE has no shift factor, so it exports."""
     root = tmp_path_factory.mktemp("eval_run")
+    raw = make_raw_dataset(root / "raw", n=12, resolution=16, num_shards=2)
+    encode_dataset(str(raw), str(root / "latents"), EncodeConfig(
+        vae=str(make_tiny_vae(root / "vae", shift_factor=None)), text_encoder=str(make_tiny_bert(root / "bert")),
+        max_length=8, batch_size=12, device="cpu"), progress=False)
     cfg = from_dict(RunConfig, {
         "train": {"unet": {"preset": "tiny"}, "ema": {"decay": 0.5}, "optim": {"lr": 1e-2},
-                  "phases": [{"datasets": [{"path": str(latent_data["latent16"])}], "steps": 2}],
+                  "phases": [{"datasets": [{"path": str(root / "latents")}], "steps": 2}],
                   "micro_batch_size": 4, "device": "cpu", "loggers": [], "checkpoint": {"every_steps": 100}},
-        "data": {"num_workers": 0, "cache_dir": str(latent_data["cache"])},
+        "data": {"num_workers": 0, "cache_dir": str(root / "cache")},
     })
     assert train(cfg, root / "run", progress=False)["finished"]
-    return root / "run"
+    return TinyRun(root / "run", raw)
 
 
-def eval_config(run: Path, prompts: Path, **kw) -> EvalConfig:
-    base = {"checkpoint": str(run), "prompts": str(prompts), "num_steps": 3, "batch_size": 3, "device": "cpu",
+def eval_config(run: TinyRun | Path, prompts: Path, **kw) -> EvalConfig:
+    base = {"checkpoint": str(run.path if isinstance(run, TinyRun) else run), "prompts": str(prompts), "num_steps": 3, "batch_size": 3, "device": "cpu",
             "guidance_scales": [1.0, 4.0], "inception_feature": 64, "kid_subset_size": 4, "kid_subsets": 5}
     return from_dict(EvalConfig, {**base, **kw})
 
@@ -324,8 +343,8 @@ def test_killed_eval_resumes_with_the_images_of_an_uninterrupted_run(tiny_run, m
     prompt_file = tmp_path / "prompts.txt"
     prompt_file.write_text("\n".join(PROMPTS) + "\n")
     ref_dir = write_folder(tmp_path / "ref", make_images(6, 11, size=16))
-    args = ["eval", "--checkpoint", str(tiny_run), "--prompts", str(prompt_file), "--reference", str(ref_dir),
-            "--inception", str(models["inception"]), "--cfg", "1,4", "--num-images", "12", "--steps", "8",
+    args = ["eval", "--checkpoint", str(tiny_run.path), "--prompts", str(prompt_file), "--reference", str(ref_dir),
+            "--inception", str(models["inception"]), "--cfg", "1,4", "--num-images", "8", "--steps", "6",
             "--batch-size", "1", "--seed", "5", "eval.inception_feature=64", "eval.kid_subset_size=4",
             "eval.device=cpu", "--quiet"]
     out = tmp_path / "killed"
@@ -346,15 +365,37 @@ def test_killed_eval_resumes_with_the_images_of_an_uninterrupted_run(tiny_run, m
         proc.communicate()
     assert proc.returncode == -signal.SIGKILL
     done_before = len(manifest.read_text().splitlines())
-    assert not (out / "results.json").exists() and done_before < 12, "the run finished before it was killed"
+    assert not (out / "results.json").exists() and done_before < 8, "the run finished before it was killed"
 
     assert main(args + ["--out", str(out)]) == 0
     resumed = json.loads((out / "results.json").read_text())
     assert resumed["generation"]["resumed_batches"] >= done_before and resumed["generation"]["generated_batches"] > 0
     straight = tmp_path / "straight"
     assert main(args + ["--out", str(straight)]) == 0
-    assert _pngs(out / "images") == _pngs(straight / "images") and len(_pngs(out / "images")) == 24
+    assert _pngs(out / "images") == _pngs(straight / "images") and len(_pngs(out / "images")) == 16
     assert resumed["rows"] == json.loads((straight / "results.json").read_text())["rows"]
+
+
+def test_exported_diffusers_dir_on_raw_shard_prompts_and_reference(tiny_run, models, tmp_path):
+    """The exported pipeline, evaluated on the captions and images of raw shards, gives the checkpoint's
+    images (the export reproduces sampling; PNG rounding and float order allow 2/255) and so its metrics."""
+    export = tmp_path / "export"
+    assert main(["export", "--checkpoint", str(tiny_run.path), "--out", str(export)]) == 0
+    kw = dict(reference=str(tiny_run.raw), num_images=5, guidance_scales=[3.0],
+              clip=str(models["clip"]), fd_encoders=[str(models["dino"])], cache_dir=str(tmp_path / "cache"))
+    ckpt = evaluate(eval_config(tiny_run, tiny_run.raw, **kw), tmp_path / "ckpt", progress=False)
+    pipe = evaluate(eval_config(export, tiny_run.raw, **kw), tmp_path / "pipe", progress=False)
+    assert pipe["models"]["generator"]["kind"] == "diffusers" and ckpt["models"]["generator"]["kind"] == "checkpoint"
+    a = np.stack([np.asarray(Image.open(tmp_path / "ckpt" / "images" / "cfg-3" / f"{i:06d}.png"), np.int16) for i in range(5)])
+    b = np.stack([np.asarray(Image.open(tmp_path / "pipe" / "images" / "cfg-3" / f"{i:06d}.png"), np.int16) for i in range(5)])
+    assert np.abs(a - b).max() <= 2 and a.std() > 1
+    assert pipe["reference"]["dinov2-tiny"]["num_images"] == 12 and pipe["reference"]["dinov2-tiny"]["cache"] == "hit"
+    assert pipe["rows"][0]["clip_score"] == pytest.approx(ckpt["rows"][0]["clip_score"], abs=0.5)
+    # The prompts are the raw shards' captions, in order.
+    from latentforge.evaluate.inputs import load_prompts
+
+    captions = load_prompts(str(tiny_run.raw))
+    assert len(captions) == 12 and captions[0].startswith("a ")
 
 
 # ---------------------------------------------------------------- bad input: one line, exit code 2
