@@ -337,6 +337,28 @@ def test_ranks_split_the_batches_and_give_the_images_of_one_rank(tiny_run, tmp_p
     assert len(set(a.values())) == 8  # different seeds and prompts: different images
 
 
+def test_torchrun_two_ranks_split_the_prompts_and_rank_0_measures(tiny_run, models, tmp_path):
+    """``torchrun --nproc_per_node 2 -m latentforge eval``: each rank writes its own batches (its own
+    manifest), rank 0 alone prints and writes the results, and the images are those of one process."""
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("\n".join(PROMPTS) + "\n")
+    args = ["eval", "--checkpoint", str(tiny_run.path), "--prompts", str(prompt_file), "--clip", str(models["clip"]),
+            "--cfg", "2", "--num-images", "6", "--steps", "3", "--batch-size", "2", "eval.device=cpu", "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "-m", "latentforge", *args, "--out", str(tmp_path / "two")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("| guidance | images | clip_score |") == 1  # rank 0 only
+    d = tmp_path / "two" / "images" / "cfg-2"
+    assert [json.loads(x)["batch"] for x in (d / "manifest-rank0.jsonl").read_text().splitlines()] == [0, 2]
+    assert [json.loads(x)["batch"] for x in (d / "manifest-rank1.jsonl").read_text().splitlines()] == [1]
+    cfg = eval_config(tiny_run, prompt_file, num_images=6, guidance_scales=[2.0], batch_size=2)
+    generate_all(cfg, [PROMPTS[i % 4] for i in range(6)], tmp_path / "one", progress=False)
+    assert _pngs(tmp_path / "two" / "images") == _pngs(tmp_path / "one" / "images")
+    assert len(json.loads((tmp_path / "two" / "results.json").read_text())["rows"]) == 1
+
+
 def test_killed_eval_resumes_with_the_images_of_an_uninterrupted_run(tiny_run, models, tmp_path):
     """The CLI is SIGKILLed mid-generation (after its first finished batch, before the last) and rerun:
     the finished batches are kept, the rest generated, and images and metrics equal a straight run."""

@@ -74,6 +74,8 @@ def kernel_inception_distance(real: torch.Tensor, fake: torch.Tensor, subset_siz
     """(mean, std) of KID over random subsets (Bińkowski et al. 2018, "Demystifying MMD GANs", eq. 4:
     unbiased MMD^2 with the cubic polynomial kernel), computed by torchmetrics on given features.
     The subsets are drawn from a generator seeded with ``seed``, so the value is reproducible."""
+    import warnings
+
     from torchmetrics.image.kid import KernelInceptionDistance
 
     fewest = min(len(real), len(fake))
@@ -81,7 +83,11 @@ def kernel_inception_distance(real: torch.Tensor, fake: torch.Tensor, subset_siz
         raise UserError(f"KID: subset size {subset_size} needs at least {subset_size} images on each side, got "
                         f"{len(real)} reference and {len(fake)} generated (set eval.kid_subset_size <= {fewest} "
                         f"or use more images)")
-    metric = KernelInceptionDistance(feature=_Given(real.shape[1]), subsets=subsets, subset_size=subset_size)
+    # sync_on_compute=False: under torchrun rank 0 measures alone; the other ranks never call compute.
+    with warnings.catch_warnings():  # "will save all extracted features": they are in memory already
+        warnings.filterwarnings("ignore", message=".*will save all extracted features.*")
+        metric = KernelInceptionDistance(feature=_Given(real.shape[1]), subsets=subsets, subset_size=subset_size,
+                                         sync_on_compute=False)
     metric.update(real.double(), real=True)
     metric.update(fake.double(), real=False)
     with torch.random.fork_rng(devices=[]):  # torchmetrics draws the subsets from the global generator
@@ -99,7 +105,7 @@ def clip_score(images: Sequence[torch.Tensor] | torch.Tensor, prompts: Sequence[
 
     if len(images) != len(prompts):
         raise ValueError(f"clip_score: {len(images)} images for {len(prompts)} prompts")
-    metric = CLIPScore(model_name_or_path=lambda: (model, processor))
+    metric = CLIPScore(model_name_or_path=lambda: (model, processor), sync_on_compute=False)  # rank 0 alone
     with torch.no_grad():
         for i in range(0, len(prompts), batch_size):
             metric.update(list(images[i:i + batch_size]), list(prompts[i:i + batch_size]))
