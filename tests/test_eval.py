@@ -478,5 +478,8 @@ def test_other_bad_input_gives_one_line(models, cli_inputs, tmp_path, capsys):
     assert "no metric to compute" in _cli_error(capsys, base + ["--prompts", str(cli_inputs["prompts"])])
     assert "not a CLIP model directory" in _cli_error(capsys, base + ["--prompts", str(cli_inputs["prompts"]),
                                                                       "--clip", str(models["dino"])])
+    msg = _cli_error(capsys, base + ["--prompts", str(cli_inputs["prompts"]), "--fd-encoder", str(models["dino"]),
+                                     "eval.plot_metric=fid"])
+    assert "eval.plot_metric: 'fid' is not computed by this evaluation (it computes: fd_dinov2-tiny)" in msg
     assert "--cfg: expected comma-separated numbers" in _cli_error(capsys, base + ["--cfg", "1,x"])
     assert "eval.guidance_scales: duplicates" in _cli_error(capsys, base + ["--cfg", "2,2"])

@@ -330,6 +330,13 @@ def _open(paths: Sequence[Path]) -> Iterable[Image.Image]:
             yield im.convert("RGB")
 
 
+def _label(extractor: Any) -> str:
+    """The metric name of an extractor's Fréchet distance: fid (fid64 ... on other Inception layers) or fd_<name>."""
+    if isinstance(extractor, InceptionExtractor):
+        return "fid" if extractor.feature == 2048 else f"fid{extractor.feature}"
+    return f"fd_{extractor.name}"
+
+
 def evaluate(cfg: EvalConfig, out: str | Path, progress: bool = True, world: Any = None) -> dict[str, Any] | None:
     """Generate (resumably, split across ranks) and measure; rank 0 returns the results, other ranks None."""
     out = Path(out)
@@ -352,6 +359,10 @@ def evaluate(cfg: EvalConfig, out: str | Path, progress: bool = True, world: Any
         if not extractors and clip is None:
             raise UserError("eval: no metric to compute: give --inception (FID/KID), --fd-encoder (FD) and/or --clip "
                             "(CLIP score)")
+        if cfg.plot_metric and cfg.plot_metric not in (names := [_label(ex) for ex in extractors] +
+                                                         (["kid"] if cfg.inception else [])):
+            raise UserError(f"eval.plot_metric: {cfg.plot_metric!r} is not computed by this evaluation "
+                            f"(it computes: {', '.join(names) or 'no distribution metric'})")
         if extractors:
             ref = load_reference(cfg.reference, cfg.max_reference)
             if cfg.inception and min(len(ref), num) < cfg.kid_subset_size:
@@ -381,9 +392,7 @@ def evaluate(cfg: EvalConfig, out: str | Path, progress: bool = True, world: Any
         for ex in extractors:
             fake = extract(ex, _open(paths), num, cfg.batch_size, f"{_scale_name(g)} {ex.name}", progress)
             real = ref_feats[ex.name]
-            label = "fid" if isinstance(ex, InceptionExtractor) else f"fd_{ex.name}"
-            if isinstance(ex, InceptionExtractor) and ex.feature != 2048:
-                label = f"fid{ex.feature}"
+            label = _label(ex)
             msg = metrics.fid_sample_warning(len(real), len(fake), real.shape[1], label.upper())
             if msg and msg not in warnings:
                 warnings.append(msg)
