@@ -230,6 +230,29 @@ def test_clip_score_matches_a_direct_cosine(models):
     assert other != pytest.approx(score, abs=1e-3)
 
 
+def test_prompts_from_text_jsonl_parquet_and_raw_shards(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from latentforge.evaluate.inputs import load_prompts
+
+    (tmp_path / "p.txt").write_text("a red circle\n\n  a blue square  \n")
+    assert load_prompts(str(tmp_path / "p.txt")) == ["a red circle", "a blue square"]
+    (tmp_path / "p.jsonl").write_text('{"text": "a red circle"}\n\n{"text": "a star"}\n')
+    assert load_prompts(str(tmp_path / "p.jsonl"), "text") == ["a red circle", "a star"]
+    with pytest.raises(UserError, match="line 1: no 'caption' field"):
+        load_prompts(str(tmp_path / "p.jsonl"))
+    pq.write_table(pa.table({"caption": ["x y", None, "z"], "n": [1, 2, 3]}), tmp_path / "p.parquet")
+    assert load_prompts(str(tmp_path / "p.parquet")) == ["x y", "z"]
+    with pytest.raises(UserError, match="no 'text' column"):
+        load_prompts(str(tmp_path / "p.parquet"), "text")
+    raw = make_raw_dataset(tmp_path / "raw", n=5, resolution=8, num_shards=2)
+    rows = [r for s in sorted(raw.glob("shard-*.parquet")) for r in pq.read_table(s, columns=["caption"]).to_pylist()]
+    assert load_prompts(str(raw)) == [r["caption"] for r in rows] and len(rows) == 5
+    with pytest.raises(UserError, match="prompt file not found"):
+        load_prompts(str(tmp_path / "missing.txt"))
+
+
 # ---------------------------------------------------------------- the evaluation run
 
 
@@ -429,7 +452,8 @@ class Payload:
 
 def _cli_error(capsys, args: list[str]) -> str:
     assert main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    lines = capsys.readouterr().err.strip().splitlines()
+    err = [x for x in lines if "it/s]" not in x]  # transformers' "Loading weights" progress bars are not errors
     assert len(err) == 1 and err[0].startswith("latentforge: error: "), err
     return err[0]
 
