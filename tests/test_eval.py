@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -281,7 +280,8 @@ def tiny_run(tmp_path_factory) -> TinyRun:
 
 
 def eval_config(run: TinyRun | Path, prompts: Path, **kw) -> EvalConfig:
-    base = {"checkpoint": str(run.path if isinstance(run, TinyRun) else run), "prompts": str(prompts), "num_steps": 3, "batch_size": 3, "device": "cpu",
+    base = {"checkpoint": str(run.path if isinstance(run, TinyRun) else run), "prompts": str(prompts),
+            "num_steps": 3, "batch_size": 3, "device": "cpu",
             "guidance_scales": [1.0, 4.0], "inception_feature": 64, "kid_subset_size": 4, "kid_subsets": 5}
     return from_dict(EvalConfig, {**base, **kw})
 
@@ -342,6 +342,10 @@ def test_eval_end_to_end_metrics_cache_and_invalidation(tiny_run, models, incept
     make_images(1, 10, size=16)[0].save(ref_dir / "extra.png")
     more = evaluate(cfg, tmp_path / "out", progress=False)
     assert more["reference"]["inception64"]["cache"] == "computed" and more["reference"]["inception64"]["num_images"] == 9
+    # Images of other generation settings are never mixed into OUT.
+    with pytest.raises(UserError, match=r"holds images generated with other settings \(seed changed\)"):
+        evaluate(eval_config(tiny_run, prompt_file, num_images=7, seed=1, clip=str(models["clip"])), tmp_path / "out",
+                 progress=False)
 
 
 def test_ranks_split_the_batches_and_give_the_images_of_one_rank(tiny_run, tmp_path):
@@ -431,8 +435,8 @@ def test_exported_diffusers_dir_on_raw_shard_prompts_and_reference(tiny_run, mod
     ckpt = evaluate(eval_config(tiny_run, tiny_run.raw, **kw), tmp_path / "ckpt", progress=False)
     pipe = evaluate(eval_config(export, tiny_run.raw, **kw), tmp_path / "pipe", progress=False)
     assert pipe["models"]["generator"]["kind"] == "diffusers" and ckpt["models"]["generator"]["kind"] == "checkpoint"
-    a = np.stack([np.asarray(Image.open(tmp_path / "ckpt" / "images" / "cfg-3" / f"{i:06d}.png"), np.int16) for i in range(5)])
-    b = np.stack([np.asarray(Image.open(tmp_path / "pipe" / "images" / "cfg-3" / f"{i:06d}.png"), np.int16) for i in range(5)])
+    a, b = (np.stack([np.asarray(Image.open(tmp_path / d / "images" / "cfg-3" / f"{i:06d}.png"), np.int16)
+                      for i in range(5)]) for d in ("ckpt", "pipe"))
     assert np.abs(a - b).max() <= 2 and a.std() > 1
     assert pipe["reference"]["dinov2-tiny"]["num_images"] == 12 and pipe["reference"]["dinov2-tiny"]["cache"] == "hit"
     assert pipe["rows"][0]["clip_score"] == pytest.approx(ckpt["rows"][0]["clip_score"], abs=0.5)

@@ -139,7 +139,8 @@ def load_generator(cfg: EvalConfig, device: torch.device) -> tuple[Callable[[lis
         try:
             pipe = DiffusionPipeline.from_pretrained(cfg.checkpoint, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise UserError(f"{cfg.checkpoint}: cannot load the diffusers pipeline ({str(e).splitlines()[0][:160]})") from None
+            first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            raise UserError(f"{cfg.checkpoint}: cannot load the diffusers pipeline ({first})") from None
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
 
@@ -467,7 +468,8 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, metric: str = "") 
         ax.annotate(f"cfg {r['guidance_scale']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("CLIP score" if xkey == "clip_score" else "guidance scale")
     ax.set_ylabel(metric.upper() if metric in ("fid", "kid") else metric)
-    ax.set_title(f"{metric} against {'CLIP score' if xkey == 'clip_score' else 'guidance'} ({rows[0]['num_images']} images)")
+    against = "CLIP score" if xkey == "clip_score" else "guidance"
+    ax.set_title(f"{metric} against {against} ({rows[0]['num_images']} images)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
