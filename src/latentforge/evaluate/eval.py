@@ -394,10 +394,9 @@ def evaluate(cfg: EvalConfig, out: str | Path, progress: bool = True, world: Any
             fake = extract(ex, _open(paths), num, cfg.batch_size, f"{_scale_name(g)} {ex.name}", progress)
             real = ref_feats[ex.name]
             label = _label(ex)
-            msg = metrics.fid_sample_warning(len(real), len(fake), real.shape[1], label.upper())
-            if msg and msg not in warnings:
+            msg = metrics.fid_sample_warning(len(real), len(fake), real.shape[1], label)
+            if msg and msg not in warnings:  # reported once, with the results (stdout and results.md)
                 warnings.append(msg)
-                log.warning(msg)
             row[label] = metrics.frechet_distance(real, fake)
             if isinstance(ex, InceptionExtractor):
                 row["kid"], row["kid_std"] = metrics.kernel_inception_distance(
@@ -467,9 +466,10 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, metric: str = "") 
     for r, x, y in zip(rows, xs, ys):
         ax.annotate(f"cfg {r['guidance_scale']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("CLIP score" if xkey == "clip_score" else "guidance scale")
-    ax.set_ylabel(metric.upper() if metric in ("fid", "kid") else metric)
+    name = metric.upper() if metric.startswith(("fid", "kid")) else metric
+    ax.set_ylabel(name)
     against = "CLIP score" if xkey == "clip_score" else "guidance"
-    ax.set_title(f"{metric} against {against} ({rows[0]['num_images']} images)")
+    ax.set_title(f"{name} against {against} ({rows[0]['num_images']} images per point)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
