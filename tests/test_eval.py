@@ -362,6 +362,14 @@ def test_ranks_split_the_batches_and_give_the_images_of_one_rank(tiny_run, tmp_p
     manifests = sorted(p.name for p in (tmp_path / "two" / "images" / "cfg-3").glob("manifest-*"))
     assert manifests == ["manifest-rank0.jsonl", "manifest-rank1.jsonl"]
     assert len(set(a.values())) == 8  # different seeds and prompts: different images
+    # Batch 1 (images 3-5) is what `generate` gives for its prompts with seed + 1, computed directly.
+    from latentforge.inference import generate, load_components
+
+    c = load_components(tiny_run.path)
+    direct = generate(c.unet, c.vae, c.text_model, c.tokenizer, c.noise, c.max_length, prompts[3:6], seed=cfg.seed + 1,
+                      num_steps=cfg.num_steps, guidance_scale=3.0, sampler=cfg.sampler)
+    saved = [np.asarray(Image.open(tmp_path / "one" / "images" / "cfg-3" / f"{i:06d}.png")) for i in range(3, 6)]
+    assert all(np.array_equal(np.asarray(d), s) for d, s in zip(direct, saved))
 
 
 def test_torchrun_two_ranks_split_the_prompts_and_rank_0_measures(tiny_run, models, tmp_path):
