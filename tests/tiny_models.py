@@ -21,9 +21,16 @@ from transformers import (
     BertConfig,
     BertModel,
     BertTokenizer,
+    BitImageProcessor,
+    CLIPConfig,
+    CLIPImageProcessor,
+    CLIPModel,
+    CLIPProcessor,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTokenizer,
+    Dinov2Config,
+    Dinov2Model,
     T5Config,
     T5Model,
 )
@@ -138,6 +145,60 @@ def make_tiny_clip(root: str | Path, seed: int = 0) -> Path:
     CLIPTextModel(config).save_pretrained(root)
     tok.save_pretrained(root)
     return Path(root)
+
+
+def make_tiny_clip_model(root: str | Path, seed: int = 0, image_size: int = 32) -> Path:
+    """A full CLIPModel (1-layer text and vision towers, 8-d projections, 8 px patches) with its
+    processor: the byte-level BPE tokenizer of :func:`make_tiny_clip` and a CLIPImageProcessor at
+    ``image_size``, as ``CLIPModel.from_pretrained`` + ``CLIPProcessor.from_pretrained`` expect."""
+    torch.manual_seed(seed)
+    vocab, merges = _clip_vocab_and_merges([w for w in WORDS if w.isalpha()])
+    tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    eos = vocab["<|endoftext|>"]
+    text = dict(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                max_position_embeddings=77, bos_token_id=vocab["<|startoftext|>"], eos_token_id=eos, pad_token_id=eos)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=image_size, patch_size=8)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).save_pretrained(root)
+    images = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(root)
+    return Path(root)
+
+
+def make_tiny_dinov2(root: str | Path, seed: int = 0, image_size: int = 32) -> Path:
+    """A 1-layer Dinov2Model (hidden size 16, 8 px patches) with the BitImageProcessor that DINOv2
+    directories carry (resize, center crop, ImageNet normalisation) at ``image_size``."""
+    torch.manual_seed(seed)
+    config = Dinov2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2,
+                          image_size=image_size, patch_size=8)
+    Dinov2Model(config).save_pretrained(root)
+    BitImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+                      image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(root)
+    return Path(root)
+
+
+def make_tiny_inception_weights(path: str | Path, seed: int = 0) -> Path:
+    """The FID Inception-v3 (torch-fidelity's TF port, the real architecture) with random weights,
+    saved as a plain state dict (``torch.save``), the format of pt_inception-2015-12-05-6726825d.pth.
+
+    Convolutions get He-normal weights, so activations neither vanish nor explode through the
+    ~20 layers (the default init shrinks the 2048-d features to about 1e-8)."""
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+    class RandomInit(FeatureExtractorInceptionV3):
+        def load_state_dict(self, state_dict, strict=True, assign=False):
+            return None  # keep the random initialisation
+
+    torch.manual_seed(seed)
+    empty = io.BytesIO()
+    torch.save({}, empty)
+    empty.seek(0)
+    net = RandomInit("inception-v3-compat", ["2048"], feature_extractor_weights_path=empty)
+    for m in net.modules():
+        if isinstance(m, torch.nn.Conv2d):
+            torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+    torch.save(net.state_dict(), path)
+    return Path(path)
 
 
 def _png(rng: np.random.Generator, resolution: int) -> bytes:

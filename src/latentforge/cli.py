@@ -188,6 +188,38 @@ def cmd_export(ns, overrides):
     print(f"export: {what} -> {out}")
 
 
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"--cfg: expected comma-separated numbers, e.g. 1,2,4,8; got {text!r}") from None
+
+
+def cmd_eval(ns, overrides):
+    from latentforge.distributed.env import close_world, init_world, read_env
+    from latentforge.evaluate.eval import evaluate
+
+    recipe = _recipe(ns, overrides, {
+        "eval.checkpoint": ns.checkpoint, "eval.prompts": ns.prompts, "eval.reference": ns.reference,
+        "eval.inception": ns.inception, "eval.clip": ns.clip, "eval.fd_encoders": ns.fd_encoder,
+        "eval.guidance_scales": _float_list(ns.cfg) if ns.cfg else None, "eval.num_images": ns.num_images,
+        "eval.num_steps": ns.steps, "eval.sampler": ns.sampler, "eval.seed": ns.seed,
+        "eval.batch_size": ns.batch_size, "eval.use_ema": False if ns.no_ema else None})
+    # torchrun: prompts split across ranks, rank 0 measures; a plain process needs no process group.
+    world = init_world(recipe.eval.device) if read_env().world_size > 1 else None
+    try:
+        results = evaluate(recipe.eval, ns.out, progress=not ns.quiet, world=world)
+    finally:
+        if world is not None:
+            close_world()
+    if results is None:
+        return
+    from latentforge.evaluate.eval import results_table
+
+    print(results_table(results["rows"], results["warnings"]), end="")
+    print(f"eval: {len(results['rows'])} guidance scales -> {ns.out}/results.md, results.json")
+
+
 def cmd_demo(ns, overrides):
     from latentforge.demo import run_demo
 
@@ -331,6 +363,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-ema", dest="no_ema", action="store_true", help="export the raw weights, not the EMA")
     sp.add_argument("--lora-file", dest="lora_file", action="store_true",
                     help="LoRA runs: write only the adapter file (load_lora_weights), not the merged pipeline")
+
+    sp = add("eval", cmd_eval, "FID/KID (Inception-v3), Fréchet distance in other encoders' features and CLIP score "
+             "of a checkpoint or diffusers directory on your prompts and reference images; resumable")
+    sp.add_argument("--checkpoint", help="checkpoint, run or exported diffusers directory (eval.checkpoint)")
+    sp.add_argument("--prompts", help="prompt file (.txt, .jsonl, .parquet) or raw shards from ingest (eval.prompts)")
+    sp.add_argument("--reference", help="reference images: raw shards or an image folder (eval.reference)")
+    sp.add_argument("--inception", help="FID/KID Inception-v3 weights file, e.g. pt_inception-2015-12-05-6726825d.pth")
+    sp.add_argument("--clip", help="CLIP model directory for the CLIP score (eval.clip)")
+    sp.add_argument("--fd-encoder", dest="fd_encoder", action="append",
+                    help="image encoder directory (DINOv2, CLIP) for FD in its features; repeat for several")
+    sp.add_argument("--cfg", help="guidance scales, e.g. 1,2,4,8 (eval.guidance_scales)")
+    sp.add_argument("--num-images", dest="num_images", type=int, help="images per guidance scale (eval.num_images)")
+    sp.add_argument("--steps", type=int, help="sampler steps (eval.num_steps)")
+    sp.add_argument("--sampler", choices=["ddim", "dpm++", "euler", "ddpm"], help="eval.sampler")
+    sp.add_argument("--seed", type=int, help="eval.seed")
+    sp.add_argument("--batch-size", dest="batch_size", type=int, help="eval.batch_size")
+    sp.add_argument("--no-ema", dest="no_ema", action="store_true", help="use the raw weights, not the EMA")
+    sp.add_argument("--out", required=True, help="output directory: images, results.md/json, tradeoff.png; a rerun resumes")
 
     sp = add("demo", cmd_demo, "the end-to-end demo on the built-in dataset (recipe tiny-cpu by default)")
     sp.add_argument("--out", default="runs/demo", help="output directory (default runs/demo); a rerun resumes")

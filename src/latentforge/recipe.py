@@ -15,6 +15,7 @@ from latentforge.data.encode import EncodeConfig
 from latentforge.data.ingest import IngestConfig
 from latentforge.data.loader import LoaderConfig
 from latentforge.data.synth import SynthConfig
+from latentforge.evaluate.eval import EvalConfig
 from latentforge.plan.cost import PlanConfig
 from latentforge.train.trainer import TrainConfig
 from latentforge.train.vae import VAETrainConfig
@@ -31,6 +32,7 @@ class Recipe:
     vae: VAETrainConfig = field(default_factory=VAETrainConfig, metadata={"help": "train-vae: an autoencoder from scratch"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "train: the latent diffusion U-Net"})
     demo: DemoConfig = field(default_factory=DemoConfig, metadata={"help": "the demo's evaluation"})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "eval: FID/KID/FD/CLIP score of a model"})
     plan: PlanConfig = field(default_factory=PlanConfig, metadata={"help": "plan: cluster, prices, throughputs"})
 
 
