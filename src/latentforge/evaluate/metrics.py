@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torchmetrics.image.fid import _compute_fid
 
 from latentforge.errors import UserError
 
@@ -33,6 +32,8 @@ def gaussian_stats(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def frechet_distance_from_stats(mu1: torch.Tensor, sigma1: torch.Tensor, mu2: torch.Tensor,
                                 sigma2: torch.Tensor) -> float:
     """Fréchet distance between N(mu1, sigma1) and N(mu2, sigma2) (Heusel et al. 2017, eq. 6)."""
+    from torchmetrics.image.fid import _compute_fid  # imported on use: ~1 s, and every command loads this module
+
     return float(_compute_fid(mu1.to(torch.float64), sigma1.to(torch.float64), mu2.to(torch.float64),
                               sigma2.to(torch.float64)))
 
