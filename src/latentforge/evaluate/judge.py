@@ -1,10 +1,19 @@
-"""Prompt alignment on the built-in dataset: a small judge classifier of colour and shape.
+"""Prompt alignment on the built-in dataset: a small judge of colour, shape, size and position
+that can say "none".
 
-The judge is a small CNN trained on real images of the built-in dataset (both splits: it is an
-instrument, not part of the generative model, and seeing every combination keeps it unbiased on
-the held-out ones). Generated images for a prompt naming (colour, shape) count as aligned when the
-judge predicts that colour, that shape, or both. Its own accuracy on freshly rendered real images
-(another seed) is reported beside, so a weak judge cannot pass for a good model.
+The judge is a small CNN with four heads: colour (the six colours), shape (the six shapes plus
+an explicit rejection class ``"none"``), size (small/large) and position (the nine grid cells).
+It trains on the real renders of the built-in dataset (both splits: it is an instrument, not part
+of the generative model, and seeing every combination keeps it unbiased on the held-out ones) and
+on renders of what is *not* a shape of the set (:mod:`latentforge.evaluate.nonshapes`: ellipses,
+pentagons, hexagons, blobs, lobed shapes, rings, merged and broken shapes, two-colour shapes,
+empty backgrounds), so that a blob is rejected instead of counted as the nearest shape. Training
+images are degraded as decoded samples are (blur, down-sampling then up-sampling, noise, a small
+colour shift). A verdict whose softmax confidence is under ``floor`` is ``"none"`` as well.
+
+:func:`validate_judge` measures it on fresh renders (another seed), clean and degraded (blurred,
+down/up-sampled, passed through an autoencoder), and on fresh non-shapes; the evaluation must use
+the judge at the settings that were validated (one :class:`JudgeConfig`).
 """
 
 from __future__ import annotations
@@ -13,143 +22,298 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import nn
+from tqdm import tqdm
 
-from latentforge.data.synth import COLORS, SHAPES
-from latentforge.errors import UserError
+from latentforge.data.synth import COLORS, POSITIONS, SHAPES, SIZES
+from latentforge.errors import ConfigError, UserError
+
+NONE = "none"  # the verdict of a rejected or unsure attribute
+ATTRIBUTES = ("color", "shape", "size", "position")
+_IGNORE = -100  # no label: the loss skips it
+_UNIFORM = -1  # no right answer (two colours, an empty image): the target is the uniform distribution
 
 
 @dataclass
 class JudgeConfig:
-    epochs: int = field(default=6, metadata={"help": "passes over the real images"})
+    """How the judge is trained and when it answers "none". Validation and evaluation share it."""
+
+    epochs: int = field(default=6, metadata={"help": "passes over the training renders"})
     batch_size: int = field(default=64, metadata={"help": "images per step"})
-    lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate"})
-    blur_prob: float = field(default=0.5, metadata={"help": "share of training images blurred, like decoded samples"})
-    seed: int = field(default=0, metadata={"help": "initialisation and augmentation seed"})
+    lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate (cosine to 5%)"})
+    width: int = field(default=16, metadata={"help": "channels of the first conv (x2, x4 deeper)"})
+    num_nonshapes: int = field(default=1500, metadata={
+        "help": "renders of non-shapes (rejection class) added to the real renders"})
+    floor: float = field(default=0.6, metadata={
+        "help": "confidence floor: a verdict whose softmax probability is lower is 'none'"})
+    blur_prob: float = field(default=0.4, metadata={"help": "share of training images blurred (sigma 0.5-1.2 px)"})
+    resample_prob: float = field(default=0.3, metadata={
+        "help": "share of training images down-sampled 2x and up-sampled again"})
+    noise_std: float = field(default=0.06, metadata={"help": "largest std of added noise, in [-1, 1] units"})
+    seed: int = field(default=0, metadata={"help": "initialisation, augmentation and non-shape seed"})
+
+    def validate(self) -> None:
+        if not 0.0 <= self.floor < 1.0:
+            raise ConfigError(f"floor: must be in [0, 1), got {self.floor}")
+        for name in ("blur_prob", "resample_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
+        if self.epochs < 1 or self.batch_size < 1 or self.width < 1 or self.num_nonshapes < 0:
+            raise ConfigError("epochs: epochs, batch_size and width must be >= 1, num_nonshapes >= 0")
 
 
 class Judge(nn.Module):
-    """Colour and shape heads on a 4-conv trunk (about 0.1M parameters)."""
+    """Four heads on a 5-conv trunk (about 70k parameters at width 16). Two coordinate channels
+    beside RGB let the globally max-pooled features carry where the shape is."""
 
-    def __init__(self, num_colors: int, num_shapes: int, width: int = 32):
+    def __init__(self, colors: Sequence[str], shapes: Sequence[str], sizes: Sequence[str],
+                 positions: Sequence[str], width: int = 16):
         super().__init__()
+        self.classes = {"color": list(colors), "shape": [*shapes, NONE], "size": list(sizes),
+                        "position": list(positions)}
         c = width
+
+        def block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
+            return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+
+        # 32 px: full resolution, then strided convs to 16 and 8 px; batch norm for fast training
         self.trunk = nn.Sequential(
-            nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(), nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.ReLU(),
+            *block(5, c), *block(c, 2 * c, 2), *block(2 * c, 2 * c), *block(2 * c, 4 * c, 2), *block(4 * c, 4 * c),
             nn.AdaptiveMaxPool2d(1), nn.Flatten(),
         )
-        self.color = nn.Linear(2 * c, num_colors)
-        self.shape = nn.Linear(2 * c, num_shapes)
+        self.heads = nn.ModuleDict({a: nn.Linear(4 * c, len(v)) for a, v in self.classes.items()})
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.trunk(x)
-        return self.color(h), self.shape(h)
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, 4 * width) trunk features of images in [-1, 1] (the space of the judge's Fréchet distance)."""
+        n, _, h, w = x.shape
+        ys = torch.linspace(-1, 1, h).view(1, 1, h, 1).expand(n, 1, h, w)
+        xs = torch.linspace(-1, 1, w).view(1, 1, 1, w).expand(n, 1, h, w)
+        return self.trunk(torch.cat([x, xs, ys], 1))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.features(x)
+        return {a: head(h) for a, head in self.heads.items()}
 
 
 def to_tensor(images: Sequence[Image.Image], size: int) -> torch.Tensor:
-    arr = np.stack([np.asarray(im.convert("RGB").resize((size, size), Image.Resampling.LANCZOS)) for im in images])
+    """Images -> (N, 3, size, size) in [-1, 1] (Lanczos resize where needed)."""
+    arr = np.stack([np.asarray(im.convert("RGB").resize((size, size), Image.Resampling.LANCZOS))
+                    if im.size != (size, size) else np.asarray(im.convert("RGB")) for im in images])
     return torch.from_numpy(arr).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
 
 
-def load_labelled(synth_dir: Path, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], list[str]]:
-    """Real images of a ``data synth`` output (both splits) with their colour and shape labels."""
+def _index(values: Sequence[str | None], classes: list[str]) -> torch.Tensor:
+    return torch.tensor([_UNIFORM if v is None else classes.index(v) for v in values])
+
+
+def load_labelled(synth_dir: Path, size: int) -> tuple[torch.Tensor, dict[str, list[str]], dict]:
+    """Real images of a ``data synth`` output (both splits), their labels and the dataset's summary."""
     labels_file = synth_dir / "labels.jsonl"
-    if not labels_file.exists():
-        raise UserError(f"{synth_dir}: no labels.jsonl (not a `latentforge data synth` output)")
+    if not labels_file.exists() or not (synth_dir / "synth.json").exists():
+        raise UserError(f"{synth_dir}: no labels.jsonl / synth.json (not a complete `latentforge data synth` output)")
     rows = [json.loads(line) for line in labels_file.read_text().splitlines() if line]
     info = json.loads((synth_dir / "synth.json").read_text())
-    colors, shapes = list(info["config"]["colors"]), list(info["config"]["shapes"])
-    images = [Image.open(synth_dir / r["file"]) for r in rows]
-    x = to_tensor(images, size)
-    yc = torch.tensor([colors.index(r["color"]) for r in rows])
-    ys = torch.tensor([shapes.index(r["shape"]) for r in rows])
-    return x, yc, ys, colors, shapes
+    x = to_tensor([Image.open(synth_dir / r["file"]) for r in rows], size)
+    return x, {a: [r[a] for r in rows] for a in ATTRIBUTES}, info
 
 
-def _augment(x: torch.Tensor, blur_prob: float, g: torch.Generator) -> torch.Tensor:
-    """Blur a share of the batch (decoded samples are softer than renders) and add mild noise."""
-    blur = torch.rand(len(x), generator=g) < blur_prob
-    if blur.any():
-        k = torch.tensor([1.0, 2.0, 1.0])
-        k = (k[:, None] * k[None, :]) / 16
-        w = k.expand(3, 1, 3, 3).contiguous()
-        x = x.clone()
-        x[blur] = F.conv2d(F.pad(x[blur], (1, 1, 1, 1), mode="replicate"), w, groups=3)
-    return x + 0.03 * torch.randn(x.shape, generator=g)
+def _gaussian_blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    r = max(1, int(np.ceil(2.5 * sigma)))
+    t = torch.arange(-r, r + 1, dtype=torch.float32)
+    k = torch.exp(-0.5 * (t / sigma) ** 2)
+    k = k / k.sum()
+    c = x.shape[1]
+    x = F.conv2d(F.pad(x, (r, r, 0, 0), mode="replicate"), k.view(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)
+    return F.conv2d(F.pad(x, (0, 0, r, r), mode="replicate"), k.view(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)
 
 
-def train_judge(x: torch.Tensor, yc: torch.Tensor, ys: torch.Tensor, num_colors: int, num_shapes: int,
-                cfg: JudgeConfig) -> Judge:
-    g = torch.Generator().manual_seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    model = Judge(num_colors, num_shapes)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+def blur(x: torch.Tensor, sigma: float = 1.0) -> torch.Tensor:
+    """Gaussian blur of (N, C, H, W) images (separable, replicate padding)."""
+    return _gaussian_blur(x, sigma)
+
+
+def down_up(x: torch.Tensor, factor: int = 2) -> torch.Tensor:
+    """Area down-sampling by ``factor``, then bilinear up-sampling to the original size."""
+    small = F.avg_pool2d(x, factor)
+    return F.interpolate(small, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+
+def _augment(x: torch.Tensor, cfg: JudgeConfig, g: torch.Generator) -> torch.Tensor:
+    """What decoded samples look like: softer (blur, down/up-sampling), noisier, colours a little off."""
+    x = x.clone()
     n = len(x)
-    for _ in range(cfg.epochs):
-        perm = torch.randperm(n, generator=g)
-        for i in range(0, n, cfg.batch_size):
-            idx = perm[i:i + cfg.batch_size]
-            lc, ls = model(_augment(x[idx], cfg.blur_prob, g))
-            loss = F.cross_entropy(lc, yc[idx]) + F.cross_entropy(ls, ys[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+    u = torch.rand(n, 2, generator=g)
+    resample = u[:, 0] < cfg.resample_prob
+    if resample.any():
+        x[resample] = down_up(x[resample])
+    blur_mask = u[:, 1] < cfg.blur_prob
+    if blur_mask.any():
+        sigma = float(0.5 + 0.7 * torch.rand(1, generator=g))  # one sigma per batch: one conv
+        x[blur_mask] = _gaussian_blur(x[blur_mask], sigma)
+    gain = 1 + 0.08 * (2 * torch.rand(n, 3, 1, 1, generator=g) - 1)
+    shift = 0.05 * (2 * torch.rand(n, 3, 1, 1, generator=g) - 1)
+    x = x * gain + shift
+    x = x + cfg.noise_std * torch.rand(n, 1, 1, 1, generator=g) * torch.randn(x.shape, generator=g)
+    return x.clamp(-1.2, 1.2)
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy; ``_UNIFORM`` rows against the uniform distribution, ``_IGNORE`` rows skipped."""
+    logp = F.log_softmax(logits, 1)
+    hard = target >= 0
+    uniform = target == _UNIFORM
+    total = -logp[hard].gather(1, target[hard, None]).sum() - logp[uniform].mean(1).sum()
+    return total / max(1, int((hard | uniform).sum()))
+
+
+def train_judge(x: torch.Tensor, labels: dict[str, torch.Tensor], model: Judge, cfg: JudgeConfig,
+                progress: bool = False) -> Judge:
+    """Train ``model`` on images ``x`` with per-attribute targets (class index, -1 uniform, -100 none)."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=1e-4)
+    n = len(x)
+    steps_per_epoch = (n + cfg.batch_size - 1) // cfg.batch_size
+    total = cfg.epochs * steps_per_epoch
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * s / total)))
+    model.train()
+    with tqdm(total=total, desc="judge", unit="step", disable=not progress) as bar:
+        for _ in range(cfg.epochs):
+            perm = torch.randperm(n, generator=g)
+            for i in range(0, n, cfg.batch_size):
+                idx = perm[i:i + cfg.batch_size]
+                out = model(_augment(x[idx], cfg, g))
+                loss = sum(_loss(out[a], labels[a][idx]) for a in ATTRIBUTES)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                bar.update(1)
     return model.eval()
 
 
-@torch.no_grad()
-def predict(model: Judge, x: torch.Tensor, batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    cs, ss = [], []
-    for i in range(0, len(x), batch):
-        lc, ls = model(x[i:i + batch])
-        cs.append(lc.argmax(1))
-        ss.append(ls.argmax(1))
-    return torch.cat(cs), torch.cat(ss)
+def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
+                progress: bool = False) -> tuple[Judge, dict]:
+    """Train the judge on the real renders of the ``data synth`` outputs ``train_dirs`` and on
+    ``cfg.num_nonshapes`` non-shape renders; deterministic given the data and ``cfg``."""
+    from latentforge.evaluate.nonshapes import nonshape_set
 
-
-def accuracy(model: Judge, x: torch.Tensor, yc: torch.Tensor, ys: torch.Tensor) -> dict[str, float]:
-    pc, ps = predict(model, x)
-    color, shape = pc == yc, ps == ys
-    return {"color": float(color.float().mean()), "shape": float(shape.float().mean()),
-            "both": float((color & shape).float().mean()), "num": len(x)}
-
-
-def chance(num_colors: int, num_shapes: int) -> dict[str, float]:
-    return {"color": 1 / num_colors, "shape": 1 / num_shapes, "both": 1 / (num_colors * num_shapes)}
-
-
-def build_judge(train_dirs: Sequence[Path], check_dir: Path, size: int, cfg: JudgeConfig) -> tuple[Judge, dict]:
-    """Train on the real images of the ``data synth`` outputs ``train_dirs``; measure on those of
-    ``check_dir`` (renders with another seed)."""
+    cfg.validate()
     t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
     parts = [load_labelled(Path(d), size) for d in train_dirs]
-    colors, shapes = parts[0][3], parts[0][4]
-    x = torch.cat([p[0] for p in parts])
-    yc = torch.cat([p[1] for p in parts])
-    ys = torch.cat([p[2] for p in parts])
-    model = train_judge(x, yc, ys, len(colors), len(shapes), cfg)
-    cx, cyc, cys, c_colors, c_shapes = load_labelled(Path(check_dir), size)
-    if (c_colors, c_shapes) != (colors, shapes):
-        raise UserError(f"{check_dir}: other colour/shape classes than the judge's training images")
-    report = {"real_accuracy": accuracy(model, cx, cyc, cys), "train_images": len(x),
-              "seconds": round(time.perf_counter() - t0, 1), "colors": colors, "shapes": shapes}
+    info = parts[0][2]
+    classes = {"color": list(info["colors"]), "shape": list(info["shapes"]), "size": list(info["sizes"]),
+               "position": list(info["positions"])}
+    model = Judge(classes["color"], classes["shape"], classes["size"], classes["position"], width=cfg.width)
+    xs = [p[0] for p in parts]
+    values = {a: [v for p in parts for v in p[1][a]] for a in ATTRIBUTES}
+    image_size = int(info["config"]["image_size"])
+    non = nonshape_set(cfg.num_nonshapes, cfg.seed, image_size)
+    if non:
+        xs.append(to_tensor([n.image for n in non], size))
+        for a in ATTRIBUTES:
+            values[a] += [getattr(n, a) for n in non]
+    labels = {}
+    for a in ATTRIBUTES:
+        classes_a = model.classes[a]
+        # a class the dataset does not use (e.g. a colour left out of synth.colors) is never a target
+        labels[a] = torch.tensor([_IGNORE if v is not None and v not in classes_a else
+                                  (_UNIFORM if v is None else classes_a.index(v)) for v in values[a]])
+    # merged shapes: no single size/position (None there means "no right answer" only for empty images)
+    merged = torch.tensor([False] * sum(len(p[0]) for p in parts) + [n.kind == "merged" for n in non])
+    labels["size"][merged] = _IGNORE
+    labels["position"][merged] = _IGNORE
+    train_judge(torch.cat(xs), labels, model, cfg, progress=progress)
+    report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": len(non),
+              "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor, "classes": model.classes}
     return model, report
 
 
-def judge_images(model: Judge, images: Sequence[Image.Image], combos: Sequence[tuple[str, str]],
-                 colors: list[str], shapes: list[str], size: int) -> dict[str, float]:
-    """Alignment of ``images[i]`` with the (colour, shape) of ``combos[i]``."""
-    x = to_tensor(images, size)
-    yc = torch.tensor([colors.index(c) for c, _ in combos])
-    ys = torch.tensor([shapes.index(s) for _, s in combos])
-    return accuracy(model, x, yc, ys)
+@torch.no_grad()
+def verdicts_of_tensor(model: Judge, x: torch.Tensor, floor: float, batch: int = 256) -> dict[str, list[str]]:
+    """Per image and attribute the judge's verdict: a class name, or "none" (the rejection class
+    or a confidence under ``floor``)."""
+    model.eval()
+    out: dict[str, list[str]] = {a: [] for a in ATTRIBUTES}
+    for i in range(0, len(x), batch):
+        logits = model(x[i:i + batch])
+        for a in ATTRIBUTES:
+            p, k = F.softmax(logits[a], 1).max(1)
+            names = model.classes[a]
+            out[a] += [names[j] if q >= floor else NONE for q, j in zip(p.tolist(), k.tolist())]
+    return out
 
 
-__all__ = ["COLORS", "SHAPES", "Judge", "JudgeConfig", "build_judge", "judge_images", "chance", "accuracy"]
+def verdicts(model: Judge, images: Sequence[Image.Image], size: int, floor: float) -> dict[str, list[str]]:
+    return verdicts_of_tensor(model, to_tensor(images, size), floor)
+
+
+@torch.no_grad()
+def features(model: Judge, images: Sequence[Image.Image] | torch.Tensor, size: int, batch: int = 256) -> torch.Tensor:
+    """The judge's trunk features of images (for the Fréchet distance in its space)."""
+    x = images if isinstance(images, torch.Tensor) else to_tensor(images, size)
+    model.eval()
+    return torch.cat([model.features(x[i:i + batch]) for i in range(0, len(x), batch)])
+
+
+def agreement(found: dict[str, list[str]], wanted: dict[str, Sequence[str | None]]) -> dict[str, dict[str, int]]:
+    """Per attribute: how many verdicts equal the wanted label (labels that are None are skipped)."""
+    result = {}
+    for a in ATTRIBUTES:
+        pairs = [(f, w) for f, w in zip(found[a], wanted[a]) if w is not None]
+        result[a] = {"right": sum(f == w for f, w in pairs), "num": len(pairs)}
+    return result
+
+
+def _rates(counts: dict[str, dict[str, int]]) -> dict[str, float]:
+    out: dict[str, float] = {a: c["right"] / c["num"] for a, c in counts.items() if c["num"]}
+    out["num"] = max(c["num"] for c in counts.values())
+    return out
+
+
+def validate_judge(model: Judge, check_dir: Path, size: int, cfg: JudgeConfig,
+                   autoencode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
+    """Per-attribute accuracy of the judge at ``cfg.floor`` on fresh real renders of ``check_dir``
+    (both splits), clean and degraded (blur sigma 1 px, 2x down/up-sampling, and ``autoencode``:
+    e.g. the demo's own VAE, images in [-1, 1] in and out), and how often it rejects fresh
+    non-shapes (another seed than training)."""
+    from latentforge.evaluate.nonshapes import nonshape_set
+
+    x, labels, info = load_labelled(Path(check_dir), size)
+    conditions = {"clean": x, "blur": blur(x, 1.0), "down_up": down_up(x, 2)}
+    if autoencode is not None:
+        with torch.no_grad():
+            conditions["vae"] = torch.cat([autoencode(x[i:i + 64]) for i in range(0, len(x), 64)]).clamp(-1, 1)
+    result: dict = {"floor": cfg.floor, "real": {}}
+    for name, xc in conditions.items():
+        result["real"][name] = _rates(agreement(verdicts_of_tensor(model, xc, cfg.floor), labels))
+    non = nonshape_set(max(60, cfg.num_nonshapes // 5), cfg.seed + 7919, int(info["config"]["image_size"]))
+    v = verdicts(model, [n.image for n in non], size, cfg.floor)
+    rejected = [s == NONE for s, n in zip(v["shape"], non) if n.shape == NONE]
+    by_kind: dict[str, list[int]] = {}
+    for s, n in zip(v["shape"], non):
+        if n.shape == NONE:
+            by_kind.setdefault(n.kind, []).append(int(s == NONE))
+    two = [c == NONE for c, n in zip(v["color"], non) if n.kind == "two-colour"]
+    result["nonshapes"] = {"num": len(rejected), "shape_rejected": float(np.mean(rejected)) if rejected else None,
+                           "by_kind": {k: float(np.mean(r)) for k, r in sorted(by_kind.items())},
+                           "two_colour_color_rejected": float(np.mean(two)) if two else None}
+    return result
+
+
+def chance(classes: dict[str, list[str]]) -> dict[str, float]:
+    """Chance level of each verdict for a uniformly guessing judge (the shape's "none" excluded)."""
+    n = {a: len([c for c in v if c != NONE]) for a, v in classes.items()}
+    return {"color": 1 / n["color"], "shape": 1 / n["shape"], "both": 1 / (n["color"] * n["shape"]),
+            "size": 1 / n["size"], "position": 1 / n["position"]}
+
+
+__all__ = ["ATTRIBUTES", "COLORS", "NONE", "POSITIONS", "SHAPES", "SIZES", "Judge", "JudgeConfig", "agreement",
+           "blur", "build_judge", "chance", "down_up", "features", "to_tensor", "validate_judge", "verdicts",
+           "verdicts_of_tensor"]
