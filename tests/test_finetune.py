@@ -350,7 +350,7 @@ def test_config_errors(assets, tmp_path, capsys):
     assert main(finetune_args(assets, "sd1", full, "train.ema=null", steps=1)) == 0
     assert main(["export", "--checkpoint", str(full), "--out", str(tmp_path / "e"), "--lora-file"]) == 2
     _one_error_line(capsys, "not a LoRA run")
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="not a diffusers pipeline directory: no model_index.json"):
         train(from_dict(RunConfig, apply_overrides({}, [
             f"train.init_from={tmp_path}", f"train.phases=[{{datasets: [{{path: '{assets['latents-sd1']}'}}], steps: 1}}]"])),
             tmp_path / "r2", progress=False)

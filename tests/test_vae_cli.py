@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from latentforge.cli import main
+from latentforge.errors import ConfigError, UserError
 from latentforge.data.loader import LoaderConfig, StreamConfig
 from latentforge.models.autoencoder import load_vae
 from latentforge.train.vae import VAETrainConfig, psnr, train_vae
@@ -62,11 +63,11 @@ def test_train_vae_measures_its_scale_factor(tmp_path):
     assert metrics["steps"] == 6 and metrics["num_heldout"] == 8 and metrics["heldout_psnr"] > 0
     assert (tmp_path / "vae" / "diffusion_pytorch_model.safetensors").exists()
     assert (tmp_path / "vae" / "train_vae_config.yaml").exists()
-    with pytest.raises(Exception, match="already holds a VAE"):
+    with pytest.raises(UserError, match="already holds a VAE; choose another --out"):
         train_vae(cfg, tmp_path / "vae", progress=False)
     # a mismatched image size is refused before training
     cfg.model.sample_size = 32
-    with pytest.raises(Exception, match="sample_size"):
+    with pytest.raises(ConfigError, match=r"model.sample_size: 32 != the dataset's resolution 16"):
         train_vae(cfg, tmp_path / "vae2", progress=False)
 
 
