@@ -97,13 +97,15 @@ def test_train_vae_command_writes_a_vae_and_reports_it(tmp_path, capsys):
     held = make_raw_dataset(tmp_path / "held", 4, 16, num_shards=1, seed=1)
     out = tmp_path / "vae"
     assert main(["train-vae", str(raw), "--out", str(out), "--eval", str(held), "--steps", "2", "--quiet",
-                 "vae.batch_size=4", "vae.warmup_steps=1", "vae.scale_samples=16", "vae.model.block_out_channels=[8,16]",
+                 "vae.batch_size=4", "vae.warmup_steps=1", "vae.scale_samples=16",
+                 "vae.model.block_out_channels=[8,16]",
                  "vae.model.norm_num_groups=4", "vae.model.sample_size=16", "vae.device=cpu",
                  "vae.data.num_workers=0", f"vae.data.cache_dir={tmp_path / 'cache'}"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     metrics = json.loads((out / "metrics.json").read_text())
     vae = load_vae(str(out))
     assert metrics["steps"] == 2 and metrics["num_heldout"] == 4
-    assert line == (f"train-vae: 2 steps in {metrics['train_seconds']} s, held-out PSNR {metrics['heldout_psnr']:.2f} dB, "
+    assert line == (f"train-vae: 2 steps in {metrics['train_seconds']} s, "
+                    f"held-out PSNR {metrics['heldout_psnr']:.2f} dB, "
                     f"scaling_factor {vae.config.scaling_factor:.4f} -> {out}")
     assert vae.config.block_out_channels == [8, 16] and vae.config.sample_size == 16
