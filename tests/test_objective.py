@@ -58,12 +58,12 @@ def ref_alphas_cumprod(schedule: str, beta_start: float, beta_end: float, zero_t
     return abar
 
 
-def ref_loss(mean, std, post_noise, noise, t, hidden, model, abar, prediction_type, gamma):
+def ref_loss(mean, std, post_noise, noise, t, hidden, model, abar, prediction_type, gamma, scale=SCALE, shift=SHIFT):
     """The mean over the batch of the (min-SNR weighted) per-sample MSE, in float64."""
     x0 = mean.double()
     if post_noise is not None:
         x0 = x0 + std.double() * post_noise.double()
-    x0 = (x0 - SHIFT) * SCALE
+    x0 = (x0 - shift) * scale
     a = abar[t].view(-1, 1, 1, 1)
     eps = noise.double()
     x_t = a.sqrt() * x0 + (1 - a).sqrt() * eps
