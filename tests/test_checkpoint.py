@@ -201,7 +201,7 @@ def test_state_that_weights_only_cannot_load_is_rejected_before_writing(tmp_path
     for bad in ({"lr": np.float64(0.1)}, {"obj": object()}, {"t": {(1, 2): 3}}):
         with pytest.raises(TypeError, match="save_checkpoint: state"):
             save_checkpoint(tmp_path, 1, {"model": {}}, bad, {}, keep_last=0)
-    with pytest.raises(TypeError):  # not JSON
+    with pytest.raises(TypeError, match="not JSON serializable"):
         save_checkpoint(tmp_path, 1, {"model": {}}, {}, {"when": object()}, keep_last=0)
     with pytest.raises(ValueError, match="reserved"):
         save_checkpoint(tmp_path, 1, {"model": {}}, {}, {"step": 3}, keep_last=0)

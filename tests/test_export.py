@@ -335,7 +335,7 @@ def test_make_grid_shapes_and_placement():
     assert grid.getpixel((2 * 20 + 10, 12 + 6)) == (255, 255, 255)  # the empty sixth cell
     labelled = make_grid(images, labels=[f"p{i}" for i in range(5)], ncols=5)
     assert labelled.size == (5 * 10, 6 + 12)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="make_grid: no images"):
         make_grid([])
 
 

@@ -249,6 +249,40 @@ def test_lora_trains_only_the_adapters_and_exports_both_ways(assets, tmp_path, m
     assert float((ours - without).abs().max()) > 1e-3  # and the adapters changed the model
 
 
+def test_lora_with_bfloat16_frozen_weights(assets, tmp_path, monkeypatch):
+    """frozen_dtype bfloat16 (with bf16 autocast): the frozen base is held in bf16, the adapters in
+    fp32 and only they are checkpointed and trained; every logged loss stays within bf16 rounding
+    of the same run with an fp32 base (autocast computes in bf16 either way)."""
+    trainers: list[Trainer] = []
+    fit = Trainer.fit
+
+    def keep(self, resume_from=None):
+        trainers.append(self)
+        return fit(self, resume_from)
+
+    monkeypatch.setattr(Trainer, "fit", keep)
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        runs[dtype] = tmp_path / dtype
+        assert main(finetune_args(assets, "sd2v", runs[dtype], *lora_overrides(
+            "train.precision=bf16", f"train.frozen_dtype={dtype}"))) == 0
+    model = trainers[1].model
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert frozen == {torch.bfloat16} and trained == {torch.float32}
+    final = load_step(runs["bfloat16"], STEPS)
+    assert final.tensors["model"] and all(".lora_" in k for k in final.tensors["model"])
+    assert all(t.dtype == torch.float32 for t in final.tensors["model"].values())
+    assert any(float(t.abs().max()) > 0 for k, t in final.tensors["model"].items() if ".lora_B." in k)  # B started at 0
+    base = base_unet_weights(assets["sd2v"])
+    for name, p in model.named_parameters():
+        if not p.requires_grad and name.replace(".base_layer", "") in base:
+            assert torch.equal(p, base[name.replace(".base_layer", "")].to(torch.bfloat16)), name  # base untouched
+    ref, low = metrics(runs["float32"]), metrics(runs["bfloat16"])
+    assert [r["step"] for r in low] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in low] == pytest.approx([r["loss"] for r in ref], rel=0.03)
+
+
 def test_lora_resume_is_exact(assets, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     assert main(finetune_args(assets, "sd1", straight, *lora_overrides())) == 0
@@ -350,7 +384,7 @@ def test_config_errors(assets, tmp_path, capsys):
     assert main(finetune_args(assets, "sd1", full, "train.ema=null", steps=1)) == 0
     assert main(["export", "--checkpoint", str(full), "--out", str(tmp_path / "e"), "--lora-file"]) == 2
     _one_error_line(capsys, "not a LoRA run")
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="not a diffusers pipeline directory: no model_index.json"):
         train(from_dict(RunConfig, apply_overrides({}, [
             f"train.init_from={tmp_path}", f"train.phases=[{{datasets: [{{path: '{assets['latents-sd1']}'}}], steps: 1}}]"])),
             tmp_path / "r2", progress=False)

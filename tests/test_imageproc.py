@@ -58,16 +58,31 @@ def test_16bit_is_scaled_not_clipped():
     assert 120 <= arr.mean() <= 135
 
 
-def test_exif_orientation_is_applied():
+@pytest.mark.parametrize(("orientation", "corner"), [(1, "top-left"), (6, "top-right"), (8, "bottom-left"),
+                                                     (3, "bottom-right")])
+def test_exif_orientation_is_applied(orientation, corner):
+    """A 64x32 stored image, blue with a red marker block at x 16..31, y 0..15 (top row, left of
+    centre). EXIF orientation 6 means "rotate 90 degrees clockwise to display": the stored left
+    column becomes the top row and the top row the right column, so after the 32x64 portrait is
+    center-cropped to rows 16..47 the marker must fill the top-right quadrant. 8 (counter-clockwise)
+    puts it bottom-left, 3 (180 degrees, landscape: columns 16..47 kept) bottom-right; 1 leaves it
+    top-left. Ignoring the tag, or turning the wrong way, puts it in another corner."""
     img = Image.new("RGB", (64, 32), (0, 0, 255))
-    img.paste((255, 0, 0), (0, 0, 32, 32))  # left half red
+    img.paste((255, 0, 0), (16, 0, 32, 16))
     exif = Image.Exif()
-    exif[0x0112] = 6  # rotate 90 clockwise on display
+    exif[0x0112] = orientation
     data = _bytes(img, "JPEG", exif=exif.tobytes(), quality=95)
     out = ip.process_image(data, ip.ImageConfig(resolution=16, format="png"), FILTERS)
-    assert (out.orig_width, out.orig_height) == (32, 64)  # portrait after orientation
-    arr = _decode_out(out)
+    portrait = orientation in (6, 8)
+    assert (out.orig_width, out.orig_height) == ((32, 64) if portrait else (64, 32))
+    arr = _decode_out(out).astype(int)
     assert arr.shape == (16, 16, 3)
+    quadrants = {"top-left": arr[1:7, 1:7], "top-right": arr[1:7, 9:15],
+                 "bottom-left": arr[9:15, 1:7], "bottom-right": arr[9:15, 9:15]}  # 1 px off the seams
+    for name, q in quadrants.items():
+        red = q[..., 0].mean() > 200 and q[..., 2].mean() < 60
+        blue = q[..., 2].mean() > 200 and q[..., 0].mean() < 60
+        assert (red, blue) == ((True, False) if name == corner else (False, True)), (name, q.mean(axis=(0, 1)))
 
 
 @pytest.mark.parametrize(

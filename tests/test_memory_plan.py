@@ -93,7 +93,8 @@ def test_auto_micro_batch_keeps_the_global_batch():
     two_ranks = resolve_auto_micro_batch(cfg, [(8, 8)], torch.device("cpu"), 2, budget=budget)
     (micro, accum, global_), = phase_batches(two_ranks, 2)
     assert micro * accum * 2 == global_ == 32 and micro <= 4  # DDP's gradient buckets need room too
-    with pytest.raises(Exception, match="global_batch_size"):
+    with pytest.raises(ConfigError,
+                       match="micro_batch_size: auto keeps the global batch by accumulation: set global_batch_size"):
         TrainConfig(micro_batch_size="auto", phases=[PhaseConfig(steps=1)]).validate()
 
     # The run's own set-up is sized: activation checkpointing leaves room for larger micro batches

@@ -422,7 +422,7 @@ def test_config_validation():
 
 
 def test_unknown_unit_kind_is_a_programming_error():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown work unit kind 'zip'"):
         iter_records(WorkUnit("zip", "x.zip", "x"), SourceConfig())
 
 

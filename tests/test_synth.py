@@ -119,7 +119,7 @@ def test_prompts_for_combos_deterministic_and_on_topic():
     for (color, shape), text in zip([c for c in HELDOUT_COMBOS for _ in range(2)], a):
         assert f"{color} {shape}" in text
     assert a != prompts_for_combos(HELDOUT_COMBOS, 4, num_per_combo=2)
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="combo 'red' 'hexagon': unknown colour or shape"):
         prompts_for_combos([("red", "hexagon")], 0)
 
 

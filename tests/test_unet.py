@@ -97,7 +97,7 @@ def test_tiny_forward_shapes(size, channels, text_dim):
 
 def test_tiny_rejects_text_states_of_the_wrong_width():
     model = build_unet(UNetConfig(preset="tiny"))  # 384-d
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(5x1024 and 384x"):
         model(torch.randn(1, 4, 8, 8), torch.tensor([1]), encoder_hidden_states=torch.randn(1, 5, 1024))
 
 

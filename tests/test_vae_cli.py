@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from latentforge.cli import main
+from latentforge.errors import ConfigError, UserError
 from latentforge.data.loader import LoaderConfig, StreamConfig
 from latentforge.models.autoencoder import load_vae
 from latentforge.train.vae import VAETrainConfig, psnr, train_vae
@@ -62,11 +63,11 @@ def test_train_vae_measures_its_scale_factor(tmp_path):
     assert metrics["steps"] == 6 and metrics["num_heldout"] == 8 and metrics["heldout_psnr"] > 0
     assert (tmp_path / "vae" / "diffusion_pytorch_model.safetensors").exists()
     assert (tmp_path / "vae" / "train_vae_config.yaml").exists()
-    with pytest.raises(Exception, match="already holds a VAE"):
+    with pytest.raises(UserError, match="already holds a VAE; choose another --out"):
         train_vae(cfg, tmp_path / "vae", progress=False)
     # a mismatched image size is refused before training
     cfg.model.sample_size = 32
-    with pytest.raises(Exception, match="sample_size"):
+    with pytest.raises(ConfigError, match=r"model.sample_size: 32 != the dataset's resolution 16"):
         train_vae(cfg, tmp_path / "vae2", progress=False)
 
 
@@ -74,3 +75,37 @@ def test_psnr_of_known_error():
     x = torch.zeros(2, 3, 4, 4)
     y = torch.full_like(x, 0.2)  # error 0.1 on the [0, 1] scale
     assert psnr(x, y).tolist() == pytest.approx([20.0, 20.0], abs=1e-4)
+
+
+def test_config_show_prints_the_resolved_recipe(capsys):
+    import yaml
+
+    from latentforge.config import from_dict
+    from latentforge.recipe import Recipe
+
+    assert main(["config", "show", "--recipe", "tiny-cpu", "train.optim.lr=0.25", "loader.num_workers=0"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["name"] == "tiny-cpu"
+    assert shown["train"]["optim"]["lr"] == 0.25 and shown["loader"]["num_workers"] == 0
+    # what is printed is a complete recipe: it loads back into the schema with the overrides kept
+    again = from_dict(Recipe, shown)
+    assert again.train.optim.lr == 0.25 and again.loader.num_workers == 0
+
+
+def test_train_vae_command_writes_a_vae_and_reports_it(tmp_path, capsys):
+    raw = make_raw_dataset(tmp_path / "raw", 16, 16, num_shards=1)
+    held = make_raw_dataset(tmp_path / "held", 4, 16, num_shards=1, seed=1)
+    out = tmp_path / "vae"
+    assert main(["train-vae", str(raw), "--out", str(out), "--eval", str(held), "--steps", "2", "--quiet",
+                 "vae.batch_size=4", "vae.warmup_steps=1", "vae.scale_samples=16",
+                 "vae.model.block_out_channels=[8,16]",
+                 "vae.model.norm_num_groups=4", "vae.model.sample_size=16", "vae.device=cpu",
+                 "vae.data.num_workers=0", f"vae.data.cache_dir={tmp_path / 'cache'}"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    metrics = json.loads((out / "metrics.json").read_text())
+    vae = load_vae(str(out))
+    assert metrics["steps"] == 2 and metrics["num_heldout"] == 4
+    assert line == (f"train-vae: 2 steps in {metrics['train_seconds']} s, "
+                    f"held-out PSNR {metrics['heldout_psnr']:.2f} dB, "
+                    f"scaling_factor {vae.config.scaling_factor:.4f} -> {out}")
+    assert vae.config.block_out_channels == [8, 16] and vae.config.sample_size == 16

@@ -1,0 +1,152 @@
+"""The VAE trained by ``train_vae``: held-out reconstruction above a calibrated PSNR bound, the
+latent std behind ``scaling_factor`` against a direct computation on encoded latents, and the
+PSNR helper on images whose PSNR is known."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from latentforge.data.loader import LoaderConfig, StreamConfig
+from latentforge.models.autoencoder import load_vae
+from latentforge.train import vae as vae_module
+from latentforge.train.vae import VAETrainConfig, _load_eval_images, psnr, train_vae
+from tiny_models import make_raw_dataset
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 150
+# Calibration (STEPS = 150, batch 16, lr 2e-3, this machine), held-out PSNR of vae_config(seed):
+#   seeds 0, 1, 2, the real training:                     13.33, 14.58, 13.82 dB;
+#   seeds 0, 1, an encoder fed the next image (broken_build): 11.59, 11.59 dB;
+#   a mid-grey image (all zeros) for every held-out image:    11.64 dB.
+# The bound sits between them: 0.8 dB under the worst healthy seed (17% more MSE) and 0.9 dB
+# over the broken runs. The margin is narrow in dB because 150 steps of this 8/16-channel VAE only
+# start to beat a flat image; more steps widen it (300 steps of seed 0: 14.3 dB) at twice the time.
+BOUND_DB = 12.5
+SHORT_STEPS = 10  # the scale-factor and evaluation checks need a trained VAE, not a good one
+
+
+def ref_psnr(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """PSNR = 10 log10(MAX^2 / MSE) per image, MAX = 2 for pixel values in [-1, 1] (float64)."""
+    x, y = np.clip(x, -1, 1).astype(np.float64), np.clip(y, -1, 1).astype(np.float64)
+    mse = ((x - y) ** 2).reshape(len(x), -1).mean(1)
+    return 10 * np.log10(4.0 / mse)
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vae_data")
+    return {"train": make_raw_dataset(root / "train", 48, 16, num_shards=2),
+            "held": make_raw_dataset(root / "held", 16, 16, num_shards=1, seed=1),
+            "cache": root / "cache"}
+
+
+def vae_config(raw: dict[str, Path], seed: int, steps: int = STEPS) -> VAETrainConfig:
+    cfg = VAETrainConfig(data=LoaderConfig(datasets=[StreamConfig(path=str(raw["train"]))], num_workers=0, seed=seed,
+                                           cache_dir=str(raw["cache"])),
+                         eval_dataset=str(raw["held"]), num_eval=16, steps=steps, batch_size=16, warmup_steps=10,
+                         scale_samples=48, log_every=50, seed=seed)
+    cfg.model.block_out_channels = (8, 16)
+    cfg.model.norm_num_groups = 4
+    cfg.model.sample_size = 16
+    return cfg
+
+
+def broken_build(cfg):
+    """A VAE whose encoder sees the next image of the batch: its latents hold nothing about the
+    image the decoder must reconstruct (a misaligned batch)."""
+    vae = REAL_BUILD(cfg)
+    encode = vae.encode
+    vae.encode = lambda x, *args, **kwargs: encode(x.roll(1, dims=0), *args, **kwargs)
+    return vae
+
+
+REAL_BUILD = vae_module.build_vae
+
+
+def all_images(path: Path) -> torch.Tensor:
+    return _load_eval_images(str(path), 10**9)
+
+
+# ------------------------------------------------------------------------------ the PSNR helper
+
+
+def test_psnr_of_identical_images_is_the_floor():
+    x = torch.rand(3, 3, 8, 8) * 2 - 1
+    assert psnr(x, x.clone()).tolist() == pytest.approx([100.0] * 3)  # MSE floored at 1e-10
+
+
+def test_psnr_of_a_known_mse():
+    g = torch.Generator().manual_seed(0)
+    y = torch.rand((4, 3, 8, 8), generator=g) * 1.6 - 0.8  # in [-0.8, 0.8]
+    d = torch.tensor([0.01, 0.05, 0.1, 0.2]).view(-1, 1, 1, 1)
+    x = y + d * torch.sign(torch.randn((4, 3, 8, 8), generator=g))  # stays in [-1, 1]
+    # |x - y| = d everywhere: MSE on the [0, 1] scale is (d / 2)^2, PSNR = -20 log10(d / 2)
+    expected = [-20 * math.log10(v / 2) for v in (0.01, 0.05, 0.1, 0.2)]
+    assert psnr(x, y).tolist() == pytest.approx(expected, abs=1e-3)
+    assert psnr(x, y).numpy() == pytest.approx(ref_psnr(x.numpy(), y.numpy()), abs=1e-3)
+
+
+def test_psnr_clamps_to_the_pixel_range():
+    y = torch.ones(2, 3, 4, 4)
+    over = torch.stack([torch.full((3, 4, 4), 5.0), torch.full((3, 4, 4), -3.0)])
+    # 5 is clamped to 1 (identical: the floor), -3 to -1 (the largest error: MSE 1 on [0, 1], 0 dB)
+    assert psnr(over, y).tolist() == pytest.approx([100.0, 0.0], abs=1e-4)
+    assert psnr(y, over).tolist() == pytest.approx([100.0, 0.0], abs=1e-4)
+
+
+# ------------------------------------------------------------------------------ the trained VAE
+
+
+@pytest.fixture(scope="module")
+def trained(raw, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("vae") / "vae"
+    return out, train_vae(vae_config(raw, seed=0, steps=SHORT_STEPS), out, progress=False)
+
+
+def test_scaling_factor_is_one_over_the_std_of_the_encoded_latents(raw, trained):
+    """Encode every training image with the saved VAE, sample the posterior with a generator of
+    our own, and take the std of all latent values: the saved scaling_factor is its inverse."""
+    out, metrics = trained
+    vae = load_vae(str(out)).eval()
+    with torch.no_grad():
+        dist = vae.encode(all_images(raw["train"])).latent_dist
+    g = torch.Generator().manual_seed(12345)
+    z = (dist.mean + dist.std * torch.randn(dist.mean.shape, generator=g)).double()
+    assert z.numel() == 48 * 4 * 8 * 8
+    std = float(z.std(unbiased=False))
+    assert 1 / vae.config.scaling_factor == pytest.approx(std, rel=0.01)
+    assert metrics["latent_std"] == pytest.approx(std, rel=0.01)
+    assert float((z * vae.config.scaling_factor).std()) == pytest.approx(1.0, rel=0.01)  # what the scale is for
+    assert abs(std - 1.0) > 0.1, "latents of std ~1 could not tell a std from a variance"
+
+
+def test_heldout_psnr_is_a_direct_reconstruction_of_the_held_out_images(raw, trained):
+    out, metrics = trained
+    vae = load_vae(str(out)).eval()
+    images = all_images(raw["held"])
+    with torch.no_grad():
+        rec = vae.decode(vae.encode(images).latent_dist.mode()).sample
+    assert metrics["num_heldout"] == 16
+    assert metrics["heldout_psnr"] == pytest.approx(float(ref_psnr(rec.numpy(), images.numpy()).mean()), abs=1e-3)
+
+
+@pytest.mark.slow
+def test_heldout_psnr_is_above_the_calibrated_bound(raw, tmp_path):
+    metrics = train_vae(vae_config(raw, seed=0), tmp_path / "vae", progress=False)
+    held = all_images(raw["held"])
+    grey = float(ref_psnr(np.zeros_like(held.numpy()), held.numpy()).mean())
+    assert grey < BOUND_DB  # a flat image does not pass
+    assert metrics["heldout_psnr"] > BOUND_DB, f"held-out PSNR {metrics['heldout_psnr']:.2f} dB after {STEPS} steps"
+
+
+@pytest.mark.slow
+def test_a_broken_vae_fails_the_bound(raw, tmp_path, monkeypatch):
+    monkeypatch.setattr(vae_module, "build_vae", broken_build)
+    metrics = train_vae(vae_config(raw, seed=0), tmp_path / "vae", progress=False)
+    assert metrics["heldout_psnr"] < BOUND_DB
