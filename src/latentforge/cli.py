@@ -104,8 +104,8 @@ def cmd_train(ns, overrides):
     if not world.is_main:  # rank 0 speaks for every rank; the others only report errors
         logging.getLogger("latentforge").setLevel(logging.ERROR)
     try:
-        summary = train(RunConfig(train=recipe.train, data=recipe.loader), ns.run_dir, resume=ns.resume,
-                        progress=not ns.quiet, world=world)
+        summary = train(RunConfig(train=recipe.train, data=recipe.loader, eval=recipe.eval), ns.run_dir,
+                        resume=ns.resume, progress=not ns.quiet, world=world)
     finally:
         close_world()
     if not world.is_main:
@@ -127,7 +127,7 @@ def _train_on_ray(ns, recipe):
     from latentforge.distributed.ray_launch import ray_session, train_on_ray
     from latentforge.train.run import RunConfig, train
 
-    cfg = RunConfig(train=recipe.train, data=recipe.loader)
+    cfg = RunConfig(train=recipe.train, data=recipe.loader, eval=recipe.eval)
     ray_cfg = _ray_config(ns)
     online = (recipe.encode, ns.num_actors or 1) if ns.online_encode else None
     if ns.ray:
@@ -218,6 +218,25 @@ def cmd_eval(ns, overrides):
 
     print(results_table(results["rows"], results["warnings"]), end="")
     print(f"eval: {len(results['rows'])} guidance scales -> {ns.out}/results.md, results.json")
+
+
+def cmd_report(ns, overrides):
+    from pathlib import Path
+
+    from latentforge.evaluate.curve import run_total_samples, write_quality_report
+
+    run = Path(ns.run_dir)
+    plan = None
+    if ns.recipe:  # where the full recipe's budget would end on the planned cluster
+        from latentforge.plan import cost
+        from latentforge.plan.report import plan_config
+        from latentforge.plan.shapes import recipe_phases
+
+        recipe = _recipe(ns, overrides, {})
+        cfg, _ = plan_config(recipe.plan, gpu=ns.gpu, gpus=ns.gpus, price=ns.price, throughput=ns.throughput)
+        plan = cost.plan_run(recipe_phases(recipe), cfg, cfg.gpus[0])
+    path = write_quality_report(run, run_total_samples(run), plan)
+    print(f"report: quality against training images, GPU-hours and dollars -> {path}")
 
 
 def cmd_demo(ns, overrides):
@@ -381,6 +400,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--batch-size", dest="batch_size", type=int, help="eval.batch_size")
     sp.add_argument("--no-ema", dest="no_ema", action="store_true", help="use the raw weights, not the EMA")
     sp.add_argument("--out", required=True, help="output directory: images, results.md/json, tradeoff.png; a rerun resumes")
+
+    sp = add("report", cmd_report, "quality against training images, GPU-hours and dollars of a run evaluated during "
+             "training (train.eval.every_steps): markdown + PNG per metric; with --recipe, the recipe's planned cost")
+    sp.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory with eval.jsonl")
+    sp.add_argument("--gpu", help="with --recipe: GPU type of the plan (plan.gpu)")
+    sp.add_argument("--gpus", help="with --recipe: GPU count of the plan (the first of plan.gpus)")
+    sp.add_argument("--price", type=float, help="with --recipe: dollars per GPU-hour (plan.price_per_gpu_hour)")
+    sp.add_argument("--throughput", help="with --recipe: a JSON written by latentforge bench on the target GPU")
 
     sp = add("demo", cmd_demo, "the end-to-end demo on the built-in dataset (recipe tiny-cpu by default)")
     sp.add_argument("--out", default="runs/demo", help="output directory (default runs/demo); a rerun resumes")

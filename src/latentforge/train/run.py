@@ -25,6 +25,7 @@ from latentforge.data.buckets import bucketed_index, build_bucket_loader, is_buc
 from latentforge.data.loader import LoaderConfig, build_loader
 from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
+from latentforge.evaluate.eval import EvalConfig
 from latentforge.models.unet import UNetConfig, build_unet, unet_diffusers_config
 from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import parallelize, resolve_strategy
@@ -44,6 +45,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "model, objective, phases"})
     data: LoaderConfig = field(default_factory=LoaderConfig, metadata={
         "help": "loader settings (seed, workers, caption dropout, cache); datasets come from train.phases"})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={
+        "help": "what train.eval.every_steps evaluates: the recipe's eval section (its checkpoint is each step's)"})
 
 
 @dataclass
@@ -165,6 +168,11 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
         tcfg = resolve_auto_micro_batch(tcfg, [_phase_latent_shape(p, source) for p in tcfg.phases], device,
                                         world.world_size, unet=base.unet_config if base else None)
     phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
+    eval_fn = None
+    if tcfg.eval.every_steps:  # its inputs fail here too, not after the first every_steps steps
+        from latentforge.evaluate.during_training import training_evaluator
+
+        eval_fn = training_evaluator(cfg.eval, tcfg.eval, run, world)
     resume_from = ckpt.resolve_resume(run, resume)
     if world.is_main:
         run.mkdir(parents=True, exist_ok=True)
@@ -204,7 +212,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     flops, peak = _flops_and_peak(tcfg, device, dict(model.config), source)
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
                       progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint,
-                      train_model=train_model)
+                      train_model=train_model, eval_fn=eval_fn)
     if resume_from is not None and progress and world.is_main:
         print(f"resuming from {resume_from}")
     return trainer.fit(resume_from)

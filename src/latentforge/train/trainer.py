@@ -50,6 +50,8 @@ from latentforge.train.rng import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
+EVAL_LOG = "eval.jsonl"  # one line per evaluation during training (latentforge report reads it)
+
 
 @dataclass
 class PhaseConfig:
@@ -96,6 +98,25 @@ class SampleConfig:
 
 
 @dataclass
+class TrainEvalConfig:
+    """Evaluation during training: the recipe's ``eval`` section (prompts, reference images, metric
+    models, guidance scales) run on the checkpoint of every ``every_steps``-th step and of the last
+    step, logged against step, training images, GPU-hours and dollars (``RUN/eval.jsonl``)."""
+
+    every_steps: int = field(default=0, metadata={"help": "steps between evaluations; 0 = off"})
+    num_images: int = field(default=0, metadata={
+        "help": "images per guidance scale of each evaluation (a fixed prompt subset); 0 = eval.num_images"})
+    price_per_gpu_hour: float = field(default=2.0, metadata={
+        "help": "dollars per GPU-hour (per device-hour on CPU), for the logged cost of training and evaluation"})
+
+    def validate(self) -> None:
+        if self.every_steps < 0 or self.num_images < 0:
+            raise ConfigError("every_steps: every_steps and num_images must be >= 0")
+        if not self.price_per_gpu_hour >= 0:
+            raise ConfigError(f"price_per_gpu_hour: must be >= 0, got {self.price_per_gpu_hour}")
+
+
+@dataclass
 class TrainConfig:
     """``latentforge train``: the U-Net, the objective, the optimizer and the phases."""
 
@@ -119,6 +140,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "auto = cuda if available"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "checkpointing"})
     sampling: SampleConfig = field(default_factory=SampleConfig, metadata={"help": "periodic sample grids"})
+    eval: TrainEvalConfig = field(default_factory=TrainEvalConfig, metadata={
+        "help": "evaluation during training (FID/KID/FD/CLIP score of the recipe's eval section)"})
     log_every: int = field(default=20, metadata={"help": "steps between log lines (each costs a host sync)"})
     nonfinite: Literal["stop", "skip"] = field(default="stop", metadata={
         "help": "on a NaN/inf loss or gradient norm: stop (the last checkpoint stays intact) or skip the step "
@@ -152,6 +175,10 @@ class TrainConfig:
         if self.min_snr_gamma < 0 or self.offset_noise < 0:
             raise ConfigError("min_snr_gamma: min_snr_gamma and offset_noise must be >= 0")
         self.parallel.validate()
+        try:
+            self.eval.validate()
+        except ConfigError as e:
+            raise ConfigError(f"eval.{e}") from None
         if self.parallel.strategy == "fsdp" and self.optim.name == "adamw8bit":
             # bitsandbytes' update kernel takes plain tensors; on FSDP2's DTensor parameters (CPU-offloaded
             # or not) it fails with "got mixed torch.Tensor and DTensor" (bitsandbytes 0.50).
@@ -236,14 +263,17 @@ class Trainer:
                  device: torch.device | None = None, train_model: torch.nn.Module | None = None,
                  sample_fn: Callable[["Trainer", int], None] | None = None, progress: bool = True,
                  flops_per_image: list[float] | None = None, peak_flops: float | None = None,
-                 on_checkpoint: Callable[[Path, int], None] | None = None):
+                 on_checkpoint: Callable[[Path, int], None] | None = None,
+                 eval_fn: Callable[["Trainer", Path], dict[str, Any] | None] | None = None):
         """``model``: the plain U-Net (its state dict is what is saved); ``train_model``: what the
         forward pass calls (the same module, or a compiled / DDP / FSDP wrapper of it);
         ``make_loader(phase_index, micro_batch_size)``: the rank's loader of a phase;
         ``latent_meta``: the latent dataset's meta (scale factor, text encoder);
         ``flops_per_image`` (per phase) and ``peak_flops`` (per device): for the logged MFU;
         ``on_checkpoint(path, step)``: called on every rank once a checkpoint is complete (a
-        launcher reports it at once, so that a restart resumes from it)."""
+        launcher reports it at once, so that a restart resumes from it);
+        ``eval_fn(trainer, checkpoint)``: with ``cfg.eval.every_steps``, the evaluation of a
+        checkpoint just written (every rank calls it; rank 0 gets the results, the others None)."""
         self.cfg = cfg
         self.model = model
         self.train_model = train_model or model
@@ -256,6 +286,14 @@ class Trainer:
         self.flops_per_image = flops_per_image
         self.peak_flops = peak_flops
         self.on_checkpoint = on_checkpoint
+        self.eval_fn = eval_fn if cfg.eval.every_steps else None
+        # Wall time of the training loop (evaluation excluded) and of the evaluations, over every
+        # session of the run (checkpointed): the GPU-hours and dollars that evaluations are logged against.
+        self.train_seconds = 0.0
+        self.eval_seconds = 0.0
+        self._clock_start = time.perf_counter()
+        self._session_eval_seconds = 0.0
+        self._seconds_at_start = 0.0
         vae = latent_meta["vae"]
         self.scaling_factor = float(vae["scaling_factor"])
         self.shift_factor = float(vae.get("shift_factor") or 0.0)
@@ -304,6 +342,8 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "loader": self.loader.state_dict() if self.loader is not None else None,
             "world_size": self.world.world_size,
+            "train_seconds": self.elapsed_train_seconds(),
+            "eval_seconds": self.eval_seconds,
         }
         return tensors, state, meta
 
@@ -354,6 +394,8 @@ class Trainer:
         self.step = int(c.meta["step"])
         self.phase = int(c.meta["phase"])
         self.skipped_steps = int(c.meta.get("skipped_steps", 0))
+        self._seconds_at_start = float(c.meta.get("train_seconds", 0.0))  # older checkpoints: not recorded
+        self.eval_seconds = float(c.meta.get("eval_seconds", 0.0))
         return c.meta
 
     # ------------------------------------------------------------------ the step
@@ -414,12 +456,16 @@ class Trainer:
         if self.world.is_main:
             self._open_loggers()
         t_start = time.perf_counter()
+        self._clock_start, self._session_eval_seconds = t_start, 0.0
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=not self.progress, dynamic_ncols=True)
         history_path = self.run_dir / "metrics.jsonl"
         if self.world.is_main:
             _truncate_history(history_path, self.step)
+            _truncate_history(self.run_dir / EVAL_LOG, self.step)
         stopped_early = False
+        if resume_from is not None and self._eval_due() and not _logged_step(self.run_dir / EVAL_LOG, self.step):
+            self._evaluate(Path(resume_from))  # the run stopped between that checkpoint and its evaluation
         try:
             while self.phase < len(self.cfg.phases):
                 phase_start = sum(self.phase_steps[: self.phase])
@@ -463,8 +509,11 @@ class Trainer:
                         self.phase += 1
                         self.loader.close()
                         self.loader = None
-                    if self.step % self.cfg.checkpoint.every_steps == 0 or end_of_phase or out_of_time:
-                        self.save()
+                    evaluate = self._eval_due()
+                    if self.step % self.cfg.checkpoint.every_steps == 0 or end_of_phase or out_of_time or evaluate:
+                        path = self.save()
+                        if evaluate:
+                            self._evaluate(path)
                     if (self.sample_fn and self.cfg.sampling.every_steps
                             and self.step % self.cfg.sampling.every_steps == 0):
                         self.sample_fn(self, self.step)
@@ -482,6 +531,58 @@ class Trainer:
             self.sample_fn(self, self.step)
         return {"step": self.step, "finished": not stopped_early, "seconds": time.perf_counter() - t_start,
                 "skipped_steps": self.skipped_steps}
+
+    # ------------------------------------------------------------------ evaluation during training
+
+    def elapsed_train_seconds(self) -> float:
+        """Wall time of the training loop over every session of the run, evaluations excluded."""
+        session = time.perf_counter() - self._clock_start - self._session_eval_seconds
+        return self._seconds_at_start + session
+
+    def samples_at(self, step: int) -> int:
+        """Training images seen after ``step`` optimizer steps (repeats included)."""
+        seen, start = 0, 0
+        for steps, (_, _, global_batch) in zip(self.phase_steps, self.phase_batches):
+            seen += max(0, min(step - start, steps)) * global_batch
+            start += steps
+        return seen
+
+    def _eval_due(self) -> bool:
+        every = self.cfg.eval.every_steps
+        return self.eval_fn is not None and self.step > 0 and (self.step % every == 0 or self.step == self.total_steps)
+
+    def _evaluate(self, checkpoint: Path) -> None:
+        """Run ``eval_fn`` on ``checkpoint`` (this step's) and log its metrics against training
+        images, GPU-hours and dollars; the evaluation's own cost is logged beside."""
+        started = time.perf_counter()
+        results = self.eval_fn(self, checkpoint)
+        seconds = time.perf_counter() - started
+        self._session_eval_seconds += seconds
+        self.eval_seconds += seconds
+        if not self.world.is_main or results is None:
+            return
+        ws, price = self.world.world_size, self.cfg.eval.price_per_gpu_hour
+        train_seconds = self.elapsed_train_seconds()
+        gpu_hours = train_seconds * ws / 3600
+        eval_gpu_hours = self.eval_seconds * ws / 3600
+        record = {"step": self.step, "samples_seen": self.samples_at(self.step),
+                  "train_seconds": train_seconds, "world_size": ws, "gpu_hours": gpu_hours,
+                  "price_per_gpu_hour": price, "dollars": gpu_hours * price, "eval_seconds": seconds,
+                  "eval_gpu_hours": eval_gpu_hours, "eval_dollars": eval_gpu_hours * price,
+                  "checkpoint": checkpoint.name, "rows": results["rows"]}
+        with open(self.run_dir / EVAL_LOG, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        scalars = {"eval/samples_seen": record["samples_seen"], "eval/gpu_hours": gpu_hours,
+                   "eval/dollars": record["dollars"], "eval/seconds": seconds,
+                   "eval/cost_share": eval_gpu_hours / (gpu_hours + eval_gpu_hours) if gpu_hours + eval_gpu_hours else 0.0}
+        for row in results["rows"]:
+            for k, v in row.items():
+                if k not in ("guidance_scale", "num_images") and isinstance(v, (int, float)):
+                    scalars[f"eval/{k}/cfg{row['guidance_scale']:g}"] = float(v)
+        for lg in self._loggers:
+            lg.log(scalars, self.step)
+        log.info("evaluation of step %d in %.1f s: %s", self.step, seconds,
+                 ", ".join(f"{k}={v:.4g}" for k, v in scalars.items() if k.count("/") == 2))
 
     def _set_phase_lr(self) -> None:
         lr = self.cfg.phases[self.phase].lr or self.cfg.optim.lr
@@ -532,6 +633,10 @@ class Trainer:
 
 class TrainingDiverged(UserError):
     """The loss became NaN/inf; the message says which checkpoint is the last good one."""
+
+
+def _logged_step(path: Path, step: int) -> bool:
+    return path.exists() and any(line and json.loads(line)["step"] == step for line in path.read_text().splitlines())
 
 
 def _truncate_history(path: Path, step: int) -> None:
