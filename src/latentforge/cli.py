@@ -109,9 +109,31 @@ def cmd_train(ns, overrides):
     finally:
         close_world()
     if not world.is_main:
-        return
+        return _exit_code(summary)
+    return _report_train(summary, ns.run_dir)
+
+
+def _exit_code(summary: dict) -> int:
+    from latentforge.interrupt import EXIT_INTERRUPTED
+
+    return EXIT_INTERRUPTED if summary.get("interrupted") else 0
+
+
+def _report_train(summary: dict, run_dir: str, where: str = "") -> int:
+    """The last line of train / finetune; exit code 75 after a stop on a signal (requeue)."""
+    from latentforge import checkpoint as ckpt
+
+    took = f"; checkpoints took up to {summary['checkpoint_seconds']:.1f} s" if summary.get("checkpoint_seconds") else ""
+    if summary.get("interrupted"):
+        latest = ckpt.find_latest(run_dir)
+        saved = (f"saved step {summary['step']}" if latest is not None and latest.name == ckpt.checkpoint_dir_name(
+            summary["step"]) else f"nothing to save at step {summary['step']}")
+        print(f"train: interrupted by {summary['interrupted']}: {saved}{where} -> {run_dir}; "
+              f"rerun the same command to resume{took}", flush=True)
+        return _exit_code(summary)
     state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
-    print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s -> {ns.run_dir}")
+    print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s{where} -> {run_dir}{took}")
+    return 0
 
 
 def _ray_config(ns):
@@ -142,8 +164,7 @@ def _train_on_ray(ns, recipe):
         source = OnlineSource(online[0], online[1], ray_cfg)
         with ray_session(ray_cfg, Path(ns.run_dir), ns.quiet):
             summary = train(cfg, ns.run_dir, resume=ns.resume, progress=not ns.quiet, source=source)
-    state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
-    print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s on Ray -> {ns.run_dir}")
+    return _report_train(summary, ns.run_dir, " on Ray")
 
 
 def _refuse_ray_flags(ns, command: str, names: tuple[str, ...], needs: str) -> None:
@@ -395,14 +416,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(args + ["--help"])
         return 2
     try:
-        ns.fn(ns, overrides)
+        code = ns.fn(ns, overrides)  # EXIT_INTERRUPTED (75) after a stop with a checkpoint, else None / 0
     except UserError as e:
         print(f"latentforge: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("latentforge: interrupted (rerun the same command to resume)", file=sys.stderr)
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from latentforge.data.buckets import bucketed_index, build_bucket_loader, is_buc
 from latentforge.data.loader import LoaderConfig, build_loader
 from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
+from latentforge.interrupt import StopOnSignal
 from latentforge.models.unet import UNetConfig, build_unet, unet_diffusers_config
 from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import parallelize, resolve_strategy
@@ -131,11 +132,22 @@ def pick_device(name: str) -> torch.device:
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: bool = True,
           world: World | None = None, on_checkpoint: Callable[[Path, int], None] | None = None,
-          source: DataSource | None = None) -> dict[str, Any]:
-    """Run (or resume) the training of ``cfg`` in ``run_dir``; returns the trainer's summary.
+          source: DataSource | None = None, stop_file: str | Path | None = None) -> dict[str, Any]:
+    """Run (or resume) the training of ``cfg`` in ``run_dir``; returns the trainer's summary
+    (``interrupted``: the signal that stopped it with a checkpoint, see ``latentforge.interrupt``).
     ``world``: from :func:`latentforge.distributed.env.init_world` (None = a single process);
     ``on_checkpoint(path, step)``: called on every rank after each complete checkpoint;
-    ``source``: where batches come from (None = precomputed latent shards)."""
+    ``source``: where batches come from (None = precomputed latent shards);
+    ``stop_file``: a path whose appearance stops the run like a signal (launchers whose workers
+    cannot install signal handlers)."""
+    # Signals received while the run is set up are held until the first step's check.
+    with StopOnSignal(cfg.train.interrupt, stop_file=stop_file, what="train") as stop:
+        return _train(cfg, run_dir, resume, progress, world, on_checkpoint, source, stop)
+
+
+def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, world: World | None,
+           on_checkpoint: Callable[[Path, int], None] | None, source: DataSource | None,
+           stop: StopOnSignal) -> dict[str, Any]:
     world = world or World()
     source = source or DataSource()
     run = Path(run_dir)
@@ -204,9 +216,9 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     flops, peak = _flops_and_peak(tcfg, device, dict(model.config), source)
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
                       progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint,
-                      train_model=train_model)
-    if resume_from is not None and progress and world.is_main:
-        print(f"resuming from {resume_from}")
+                      train_model=train_model, stop=stop)
+    if resume_from is not None and world.is_main:  # also with --quiet: where a requeued job went on from
+        print(f"resuming from {resume_from}", flush=True)
     return trainer.fit(resume_from)
 
 
