@@ -211,3 +211,43 @@ def test_handlers_are_restored_and_a_stop_file_stops(tmp_path):
         stop_file.touch()
         assert stop.requested and stop.signal_name == "stop file"
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+# ------------------------------------------------------------------------------ train-vae, encode
+
+
+def test_train_vae_stops_with_a_checkpoint_and_resumes_exactly(latent_data, tmp_path):  # noqa: F811
+    """train-vae gets SIGTERM in step 3 of 6 (checkpoints every 4): it finishes the step, saves it,
+    exits 75; the rerun (which passes the periodic step-4 checkpoint) writes a VAE equal bit for
+    bit to an uninterrupted run's, with the same measured scale factor, and removes its checkpoints."""
+    import safetensors.torch
+
+    from latentforge.train.vae import VAETrainConfig, train_vae
+
+    vae = {"data": {"datasets": [{"path": str(latent_data["raw16"])}], "num_workers": 0,
+                    "cache_dir": str(latent_data["cache"])},
+           "steps": 6, "batch_size": 8, "warmup_steps": 2, "scale_samples": 16, "log_every": 1,
+           "checkpoint_every_steps": 4,
+           "model": {"block_out_channels": [8, 16], "norm_num_groups": 4, "sample_size": 16}}
+    reference = train_vae(from_dict(VAETrainConfig, vae), tmp_path / "reference", progress=False)
+    recipe = tmp_path / "vae.yaml"
+    recipe.write_text(yaml.safe_dump({"vae": vae}))
+    out = tmp_path / "vae"
+    cmd = [sys.executable, HOOKS, "vae_step=3:SIGTERM", "train-vae", "--out", str(out), "--recipe", str(recipe),
+           "--quiet"]
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == EXIT_INTERRUPTED, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1].startswith("train-vae: interrupted by SIGTERM: saved step 3")
+    assert ckpt.load_checkpoint(ckpt.find_latest(out)).step == 3 and not (out / "config.json").exists()
+
+    cmd[2] = ""
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming from" in p.stdout and f"{out}/checkpoints/step-00000003" in p.stdout
+    a = safetensors.torch.load_file(tmp_path / "reference" / "diffusion_pytorch_model.safetensors")
+    b = safetensors.torch.load_file(out / "diffusion_pytorch_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resumed = yaml.safe_load((out / "metrics.json").read_text())
+    assert resumed["scaling_factor"] == reference["scaling_factor"] and resumed["steps"] == 6
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in reference["history"]]
+    assert not (out / ckpt.CHECKPOINTS).exists()

@@ -83,6 +83,11 @@ def cmd_train_vae(ns, overrides):
     if not recipe.vae.data.datasets:
         raise UserError("train-vae: give RAW_DIR (raw shards from ingest) or set vae.data.datasets")
     m = train_vae(recipe.vae, ns.out, progress=not ns.quiet)
+    if m.get("interrupted"):
+        saved = f"saved step {m['steps']}" if m["saved"] else "nothing to save"
+        print(f"train-vae: interrupted by {m['interrupted']}: {saved} -> {ns.out}/checkpoints; "
+              "rerun the same command to resume", flush=True)
+        return _exit_code(m)
     psnr = f"{m['heldout_psnr']:.2f} dB" if m["heldout_psnr"] is not None else "not measured (no --eval)"
     print(f"train-vae: {m['steps']} steps in {m['train_seconds']} s, held-out PSNR {psnr}, "
           f"scaling_factor {m['scaling_factor']:.4f} -> {ns.out}")
