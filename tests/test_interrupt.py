@@ -251,3 +251,35 @@ def test_train_vae_stops_with_a_checkpoint_and_resumes_exactly(latent_data, tmp_
     assert resumed["scaling_factor"] == reference["scaling_factor"] and resumed["steps"] == 6
     assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in reference["history"]]
     assert not (out / ckpt.CHECKPOINTS).exists()
+
+
+def test_encode_stops_between_batches_and_the_rerun_completes_it_exactly(latent_data, tmp_path):  # noqa: F811
+    """encode (4 raw shards of 16 images, batches of 8) gets SIGTERM in its 3rd batch, the first of
+    shard 2: it stops before the next batch with exit 75, shard 1 finished and shard 2 not kept;
+    the rerun encodes the rest, and every latent shard equals an uninterrupted encode's."""
+    import pyarrow.parquet as pq
+
+    from latentforge.data.encode import EncodeConfig, encode_dataset
+    from latentforge.data.schema import INDEX, read_index
+
+    raw = latent_data["raw16"]
+    reference = tmp_path / "reference"
+    encode_dataset(str(raw), str(reference), EncodeConfig(vae=str(latent_data["vae"]),
+                   text_encoder=str(latent_data["bert"]), max_length=8, batch_size=8, device="cpu"), progress=False)
+    out = tmp_path / "latents"
+    cmd = [sys.executable, HOOKS, "encode_batch=3:SIGTERM", "encode", str(raw), "--vae", str(latent_data["vae"]),
+           "--text-encoder", str(latent_data["bert"]), "--out", str(out), "--batch-size", "8", "--quiet",
+           "encode.max_length=8", "encode.device=cpu"]
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == EXIT_INTERRUPTED, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1].startswith("encode: interrupted by SIGTERM: the finished shards are kept")
+    shards = [s.name for s in read_index(str(raw)).shards]
+    assert sorted(f.name for f in out.glob("*.parquet")) == [shards[0]]
+    assert sorted(f.name for f in (out / ".progress").glob("shard-*.json")) == [shards[0] + ".json"]
+    assert not (out / INDEX).exists()
+
+    cmd[2] = ""
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for name in shards:
+        assert pq.read_table(out / name).equals(pq.read_table(reference / name)), name

@@ -69,6 +69,10 @@ def cmd_encode(ns, overrides):
     else:
         _refuse_ray_flags(ns, "encode", ("address", "num_actors"), "--ray")
         summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
+    if summary.get("interrupted"):
+        print(f"encode: interrupted by {summary['interrupted']}: the finished shards are kept in {ns.out}; "
+              "rerun the same command to resume", flush=True)
+        return _exit_code(summary)
     print(f"encode: seen {summary['seen']}, written {summary['written']}, rejected "
           f"{sum(summary['rejected'].values())} -> {ns.out}")
 
