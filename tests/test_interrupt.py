@@ -283,3 +283,19 @@ def test_encode_stops_between_batches_and_the_rerun_completes_it_exactly(latent_
     assert p.returncode == 0, p.stderr[-3000:]
     for name in shards:
         assert pq.read_table(out / name).equals(pq.read_table(reference / name)), name
+
+
+def test_planned_checkpoint_size_matches_a_real_checkpoint(setup):
+    """plan --memory's checkpoint estimate (model + EMA + AdamW moments, 16 bytes/parameter) against
+    the files of the reference run's last checkpoint (fp32 tiny U-Net, EMA, AdamW): within 10%.
+    The rest is a fixed cost per tensor (safetensors headers, AdamW's pickled step counters), the
+    RNG states and meta.json: measured 5.4% of this 250k-parameter model, nothing at real sizes."""
+    from latentforge.plan.memory import MemoryConfig, checkpoint_bytes
+
+    latest = ckpt.find_latest(setup["straight"])
+    c = ckpt.load_checkpoint(latest)
+    parameters = sum(t.numel() for t in c.tensors["model"].values())
+    on_disk = sum(f.stat().st_size for f in latest.iterdir() if f.name != ckpt.MARKER)
+    planned = checkpoint_bytes(MemoryConfig(ema="same", optimizer="adamw", parallel="ddp"), parameters)
+    assert planned == 16 * parameters
+    assert 0 < (on_disk - planned) / on_disk < 0.10, (on_disk, planned)

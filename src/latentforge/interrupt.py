@@ -96,10 +96,11 @@ class StopOnSignal:
     the process; leaving restores the previous handlers. See the module docstring.
 
     ``stop_file``: a path whose existence also requests a stop (for jobs that do not run in the
-    main thread, see the module docstring); ``what``: the job's name in messages."""
+    main thread, see the module docstring); ``what``: the job's name in messages; ``on_signal``:
+    called once, at the first signal (a launcher passes the request on to its workers)."""
 
     def __init__(self, cfg: InterruptConfig | None = None, stop_file: str | os.PathLike | None = None,
-                 what: str = "latentforge"):
+                 what: str = "latentforge", on_signal: Callable[[], None] | None = None):
         self.cfg = cfg or InterruptConfig()
         self.stop_file = Path(stop_file) if stop_file else None
         self.what = what
@@ -107,6 +108,7 @@ class StopOnSignal:
         self.num_signals = 0
         self.received_at = 0.0  # time.monotonic() of the first signal
         self.saving = False  # set by the job while it writes a checkpoint
+        self.on_signal = on_signal
         self._previous: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ handlers
@@ -133,6 +135,8 @@ class StopOnSignal:
             self.received_at = time.monotonic()
             text = (f"{self.what}: {name} received: stopping after the current step with a checkpoint "
                     f"(rerun the same command to resume)")
+            if self.on_signal is not None:
+                self.on_signal()
         elif self.saving:
             text = (f"{self.what}: {name} received again: the checkpoint is being written "
                     f"({time.monotonic() - self.received_at:.0f} s since the first signal); it is atomic, "
