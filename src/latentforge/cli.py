@@ -39,7 +39,10 @@ def cmd_synth(ns, overrides):
 
     recipe = _recipe(ns, overrides, {"synth.num": ns.num, "synth.seed": ns.seed, "synth.image_size": ns.size})
     summary = generate(ns.out, recipe.synth, progress=not ns.quiet)
-    print(json.dumps({k: summary[k] for k in summary if k in ("num_train", "num_heldout", "heldout")}, default=str))
+    counts, out = summary["counts"], ns.out.rstrip("/")
+    print(f"synth: {counts['train']} training images in {out}/train, {counts['heldout']} held-out images in "
+          f"{out}/heldout ({len(summary['heldout_combos'])} colour/shape combinations never in train); "
+          f"ingest {out}/train alone to train")
 
 
 def cmd_ingest(ns, overrides):
