@@ -64,6 +64,14 @@ def cmd_encode(ns, overrides):
     recipe = _recipe(ns, overrides, {"encode.vae": ns.vae or ns.base, "encode.text_encoder": ns.text_encoder or ns.base,
                                      "encode.batch_size": ns.batch_size,
                                      "encode.attention_mask": "pipeline" if ns.base else None})
+    if not recipe.encode.text_encoder and recipe.encode.vae:
+        from dataclasses import replace
+
+        from latentforge.models.text import builtin_text_encoder
+
+        recipe.encode = replace(recipe.encode, text_encoder=builtin_text_encoder())
+        print(f"encode: no --text-encoder: the built-in all-MiniLM-L6-v2 ({recipe.encode.text_encoder})",
+              file=sys.stderr)
     if ns.ray:
         from latentforge.distributed.ray_data import encode_on_ray
 
