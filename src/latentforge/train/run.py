@@ -167,6 +167,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
         if tcfg.unet.overrides():
             raise ConfigError("train.unet: with init_from the U-Net is the base pipeline's: remove train.unet")
         finetune.check_data_matches_base(base, meta)
+        _note_resolution(base, meta, tcfg, world)
         tcfg = replace(tcfg, noise=finetune.base_noise_config(base, tcfg.noise))
     else:
         tcfg = replace(tcfg, unet=resolve_unet_config(tcfg.unet, meta))
@@ -220,6 +221,15 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
     if resume_from is not None and world.is_main:  # also with --quiet: where a requeued job went on from
         print(f"resuming from {resume_from}", flush=True)
     return trainer.fit(resume_from)
+
+
+def _note_resolution(base: Any, meta: dict[str, Any], cfg: TrainConfig, world: World) -> None:
+    """A fine-tune whose phases leave the resolution at 0 trains at the latents' resolution: say
+    so when it is not the pipeline's own (SD fine-tunes at other sizes too, so it is not refused)."""
+    native = base.unet_config.get("sample_size", 0) * meta["vae"].get("downsample_factor", 0)
+    if world.is_main and meta.get("resolution") != native and not all(p.resolution for p in cfg.phases):
+        print(f"finetune: training at the latents' {meta.get('resolution')} px; {base.path} was made for "
+              f"{native} px", flush=True)
 
 
 def _from_consolidated(sample_fn: Callable[[Any, int], None], unet_config: dict[str, Any], device: torch.device
