@@ -331,3 +331,38 @@ def test_ray_flags_without_ray_are_refused(tmp_path, capsys):
     assert "train: --num-workers is only used with --ray or --online-encode" in capsys.readouterr().err
     assert cli_main(["encode", str(tmp_path / "raw"), "--out", str(tmp_path / "out"), "--num-actors", "2"]) == 2
     assert "encode: --num-actors is only used with --ray" in capsys.readouterr().err
+
+
+def test_a_signal_to_the_driver_stops_the_workers_with_a_checkpoint(latent_data, tmp_path, ray_instance):
+    """SIGTERM to the ``train --ray`` driver (sent once checkpoint 2 of 40 steps exists): the driver
+    creates STOP_REQUEST, both workers stop after the same step with a complete checkpoint, and
+    the command exits 75 with the step saved; the request file is removed."""
+    import signal
+    import threading
+    import time
+
+    from latentforge.distributed.ray_launch import STOP_FILE
+    from latentforge.interrupt import EXIT_INTERRUPTED
+
+    steps = 40
+    run_dir, recipe = tmp_path / "run", tmp_path / "recipe.yaml"
+    cfg = to_dict(run_config(latent_data, f"train.phases.0.steps={steps}"))
+    recipe.write_text(yaml.safe_dump({"train": cfg["train"], "loader": cfg["data"]}))
+    second = run_dir / ckpt.CHECKPOINTS / ckpt.checkpoint_dir_name(2)
+
+    def signal_after_checkpoint_2() -> None:
+        deadline = time.monotonic() + 300
+        while not second.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread, where the driver waits
+
+    threading.Thread(target=signal_after_checkpoint_2, daemon=True).start()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(["train", str(run_dir), "--recipe", str(recipe), "--ray", "--num-workers", "2", "--quiet"])
+    assert code == EXIT_INTERRUPTED, out.getvalue()
+    last = ckpt.load_checkpoint(ckpt.find_latest(run_dir))
+    assert 2 <= last.step < steps and last.meta["world_size"] == 2
+    assert out.getvalue().strip().splitlines()[-1].startswith(f"train: interrupted by SIGTERM: saved step {last.step}")
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, last.step + 1))
+    assert not (run_dir / STOP_FILE).exists()

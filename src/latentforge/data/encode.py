@@ -22,6 +22,10 @@ The output directory is resumable per shard: a shard is done when its parquet fi
 record ``.progress/<shard>.json`` agree on the number of rows. ``.progress/meta.json`` records
 which VAE, text encoder, settings and source dataset the directory was made with, and a rerun
 with any of these changed is refused. ``index.json`` is written last and marks completion.
+
+On SIGINT, SIGTERM or ``encode.interrupt.extra_signal`` (:mod:`latentforge.interrupt`) the
+encode stops before its next batch: the finished shards are kept, the shard in progress (held in
+memory until it is complete) is encoded again by the rerun, and the command exits with code 75.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from latentforge.data.schema import (
     write_shard,
 )
 from latentforge.errors import ConfigError, UserError
+from latentforge.interrupt import InterruptConfig, StopOnSignal
 from latentforge.models.autoencoder import first_line, load_vae, vae_fingerprint, vae_meta
 from latentforge.models.text import (
     encode_text,
@@ -118,6 +123,8 @@ class EncodeConfig:
                 "trained); encode --from sets pipeline"})
     storage_dtype: Literal["float16", "float32"] = field(default="float16", metadata={
         "help": "dtype of the stored latents and text embeddings (float16 halves disk and read cost)"})
+    interrupt: InterruptConfig = field(default_factory=InterruptConfig, metadata={
+        "help": "on SIGINT / SIGTERM / a scheduler's warning signal: keep the finished shards, exit 75"})
 
     def require_models(self) -> None:
         """The model paths may be left empty in a recipe and given on the command line."""
@@ -132,6 +139,14 @@ class EncodeConfig:
                               f"got {self.max_length}")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size: must be at least 1, got {self.batch_size}")
+        try:
+            self.interrupt.validate()
+        except ConfigError as e:
+            raise ConfigError(f"interrupt.{e}") from None
+
+
+class _Stopped(Exception):
+    """A signal asked the encode to stop (raised between batches, caught by encode_dataset)."""
 
 
 class RejectedImage(Exception):
@@ -307,7 +322,8 @@ def shard_record(out: Path, name: str, seen: int, info: ShardInfo, rejected: lis
 
 
 def _encode_shard(raw_uri: str, out: Path, name: str, enc: Encoders, columns: dict[str, str],
-                  size: tuple[int, int], batch_size: int, bar: tqdm, bucket: bool) -> dict:
+                  size: tuple[int, int], batch_size: int, bar: tqdm, bucket: bool,
+                  stop: StopOnSignal | None = None) -> dict:
     """Encode one raw shard into ``out/name`` and write its completion record; ``bucket``: keep
     only the rows of the (width, height) ``size`` (the others belong to other buckets)."""
     table = read_shard(raw_uri, columns=list(RAW_NEEDED))
@@ -320,6 +336,8 @@ def _encode_shard(raw_uri: str, out: Path, name: str, enc: Encoders, columns: di
     rows: list[dict[str, Any]] = []
     rejected: list[dict[str, str]] = []
     for start in range(0, n, batch_size):
+        if stop is not None and stop.requested:
+            raise _Stopped()
         batch = {c: v[start:start + batch_size] for c, v in raw.items()}
         good, pixels, bad = decode_batch(batch["key"], batch["image"], size, name)
         rejected += bad
@@ -419,7 +437,7 @@ def finish_encode(job: EncodeJob, records: list[dict]) -> dict:
     return summary
 
 
-def _run_job(job: EncodeJob, progress: bool) -> dict:
+def _run_job(job: EncodeJob, progress: bool, stop: StopOnSignal | None = None) -> dict:
     """Encode the shards of ``job`` not finished by an earlier run, in this process."""
     records = []
     desc = f"encode {job.size[0]}x{job.size[1]}" if job.bucket else "encode"
@@ -428,7 +446,7 @@ def _run_job(job: EncodeJob, progress: bool) -> dict:
             done = job.finished(shard.name)
             if done is None:
                 done = _encode_shard(storage.join(job.raw_dir, shard.name), job.out, shard.name, job.enc,
-                                     job.columns, job.size, job.cfg.batch_size, bar, job.bucket)
+                                     job.columns, job.size, job.cfg.batch_size, bar, job.bucket, stop)
             else:
                 bar.update(done["seen"])
             records.append(done)
@@ -441,14 +459,23 @@ def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool
 
     Returns the summary ``{"seen", "written", "rejected": {reason: count}}`` (also written to
     ``out_dir/summary.json``); shards finished by an earlier run with the same inputs are kept.
+    Stopped by a signal (see the module docstring) it returns ``{"interrupted": signal name}``.
     """
+    with StopOnSignal(cfg.interrupt, what="encode") as stop:
+        try:
+            return _encode_dataset(raw_dir, out_dir, cfg, progress, stop)
+        except _Stopped:
+            return {"interrupted": stop.signal_name}
+
+
+def _encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool, stop: StopOnSignal) -> dict:
     cfg.validate()
     cfg.require_models()
     raw = read_index(raw_dir)
     resolution = _check_raw(raw_dir, raw)
     enc = Encoders(cfg, _resolve_device(cfg.device))
     if raw.meta.get("crop") != "buckets":
-        return _run_job(_claim(raw_dir, raw, resolution, out_dir, cfg, enc, None), progress)
+        return _run_job(_claim(raw_dir, raw, resolution, out_dir, cfg, enc, None), progress, stop)
     factor = enc.vae_info["downsample_factor"]
     sizes: collections.Counter = collections.Counter()
     for shard in raw.shards:
@@ -467,7 +494,7 @@ def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool
     buckets, summaries = [], []
     for (w, h) in sorted(sizes):
         name = f"bucket-{w}x{h}"
-        summaries.append(_run_job(_claim(raw_dir, raw, resolution, out / name, cfg, enc, (w, h)), progress))
+        summaries.append(_run_job(_claim(raw_dir, raw, resolution, out / name, cfg, enc, (w, h)), progress, stop))
         buckets.append({"path": name, "width": w, "height": h, "num_samples": summaries[-1]["written"]})
     rejected: collections.Counter = collections.Counter()
     for sm in summaries:

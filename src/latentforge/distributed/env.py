@@ -33,6 +33,9 @@ class World:
     # Skips the gradient all-reduce on accumulation micro batches; set by the parallel wrapper
     # (DDP's no_sync, FSDP2's set_requires_gradient_sync), not here.
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None
+    # True on every rank if ``flag`` is True on any rank (one all-reduce of one number): the ranks
+    # agree to stop after the same step when a signal reached only some of them.
+    any_rank: Callable[[bool], bool] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -97,8 +100,9 @@ def init_world(device: str = "auto", timeout_minutes: float = 30.0, single_rank_
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size == 1:
         return World(local_rank=env.local_rank)
+    flag_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     return World(rank=rank, world_size=world_size, local_rank=env.local_rank,
-                 all_reduce_mean=_all_reduce_mean, barrier=dist.barrier)
+                 all_reduce_mean=_all_reduce_mean, barrier=dist.barrier, any_rank=_any_rank(flag_device))
 
 
 _created_here = False  # Ray Train owns the group it created; only ours is destroyed by close_world
@@ -107,6 +111,17 @@ _created_here = False  # Ray Train owns the group it created; only ours is destr
 def _all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t / dist.get_world_size()
+
+
+def _any_rank(device: torch.device | None) -> Callable[[bool], bool]:
+    """The OR of a flag over all ranks; ``device``: where the backend reduces (CUDA for NCCL)."""
+
+    def any_rank(flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())  # host sync (on CUDA), one int32
+
+    return any_rank
 
 
 def close_world() -> None:

@@ -20,6 +20,12 @@ What is reported depends on ``storage``:
   before training goes on). A restarted worker group whose run directory lacks that checkpoint
   (a new node, a lost disk) has rank 0 download it into ``RUN_DIR/checkpoints`` first.
 
+Interrupts: the driver (the ``latentforge train --ray`` process) handles SIGINT, SIGTERM and
+``train.interrupt.extra_signal`` by creating ``RUN_DIR/STOP_REQUEST``; every worker's trainer
+looks for it (Ray runs the training loop in a thread, which cannot install signal handlers), the
+ranks agree, finish the step, save a checkpoint and return, and the command exits with code 75
+as a plain run does. The file is removed when the next run starts.
+
 On one machine with no ``address``, a local Ray instance is started with ``num_cpus`` = the
 machine's cores, a capped object store, and its temporary directory under the run directory
 (or under /tmp when that path is too long for Ray's unix sockets), and is shut down afterwards.
@@ -44,6 +50,7 @@ from latentforge.errors import ConfigError, UserError
 log = logging.getLogger(__name__)
 
 POINTER = "latentforge_checkpoint.json"  # the file of a pointer checkpoint reported to Ray
+STOP_FILE = "STOP_REQUEST"  # created in the run directory by the driver on a signal
 # Test hook, read by the driver and handed to the workers: "RANK:STEP:MARKER" makes rank RANK exit
 # abruptly right after reporting checkpoint STEP, once (MARKER is created first, so the restarted
 # worker does not exit again).
@@ -231,7 +238,7 @@ def worker_loop(config: dict[str, Any]) -> None:
             _maybe_fail(config.get("fail_after_checkpoint"), world.rank, step)
 
         summary = train(run_cfg, run_dir, resume="auto", progress=False, world=world, on_checkpoint=on_checkpoint,
-                        source=source)
+                        source=source, stop_file=run_dir / STOP_FILE)
         ray_train.report({k: summary[k] for k in ("step", "finished", "seconds", "skipped_steps")})
     finally:
         close_world()
@@ -267,9 +274,14 @@ def train_on_ray(run_cfg: Any, run_dir: str | Path, cfg: RayConfig, quiet: bool 
     store = cfg.storage or str(run_dir / "ray")
     upload = storage.is_s3(store)
     run_dir.mkdir(parents=True, exist_ok=True)
+    stop_file = run_dir / STOP_FILE
+    stop_file.unlink(missing_ok=True)  # a request of an earlier run was answered by its checkpoint
+
+    from latentforge.interrupt import StopOnSignal
 
     started = time.perf_counter()
-    with ray_session(cfg, run_dir, quiet) as ray:
+    stop = StopOnSignal(run_cfg.train.interrupt, what="train --ray", on_signal=stop_file.touch)
+    with ray_session(cfg, run_dir, quiet) as ray, stop:
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
@@ -302,4 +314,6 @@ def train_on_ray(run_cfg: Any, run_dir: str | Path, cfg: RayConfig, quiet: bool 
                             f"checkpoint in {run_dir} is kept: rerun to resume") from None
     latest = ckpt.find_latest(run_dir)
     step = json.loads((latest / ckpt.META).read_text())["step"] if latest is not None else 0
-    return {"step": step, "finished": step >= total_steps, "seconds": time.perf_counter() - started}
+    stop_file.unlink(missing_ok=True)
+    return {"step": step, "finished": step >= total_steps, "seconds": time.perf_counter() - started,
+            "interrupted": stop.signal_name if step < total_steps else None}

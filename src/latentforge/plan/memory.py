@@ -431,3 +431,29 @@ def resolve_auto_micro_batch(cfg, latent_shapes: list[tuple[int, int]], device: 
             peak / GIB, how)
         phases.append(replace(p, micro_batch_size=micro))
     return replace(cfg, phases=phases, micro_batch_size=min(p.micro_batch_size for p in phases))
+
+
+# Checkpoint write time, for the interrupt grace period. A checkpoint is written once (fsynced) and
+# read back once for its sha256 (checkpoint.py). CHECKPOINT_WRITE_BYTES_PER_S is an assumed
+# sustained write rate with fsync: a local NVMe SSD does 1-3 GB/s, network filesystems and cloud
+# block storage 0.1-1 GB/s, so 1 GB/s is a middle figure; measure yours (the trainer logs each
+# checkpoint's time). SHA256_BYTES_PER_S was measured here (checkpoint._HASH_CHUNK's comment).
+CHECKPOINT_WRITE_BYTES_PER_S = 1.0e9
+SHA256_BYTES_PER_S = 1.7e9
+
+
+def checkpoint_bytes(cfg: MemoryConfig, parameters: int) -> int:
+    """Bytes of one training checkpoint of ``parameters`` U-Net parameters: fp32 model, EMA (unless
+    off) and the optimizer state (AdamW: two fp32 moments; 8-bit AdamW: two 1-byte moments), all
+    ranks together. FSDP2 checkpoints add the consolidated fp32 model and EMA beside the DCP shards."""
+    ema = 0 if cfg.ema == "off" else 4
+    opt = 8 if cfg.optimizer == "adamw" else 2
+    per_param = 4 + ema + opt
+    if cfg.parallel != "ddp" and cfg.world_size > 1:
+        per_param += 4 + ema
+    return parameters * per_param
+
+
+def checkpoint_seconds(num_bytes: int, write_bytes_per_s: float = CHECKPOINT_WRITE_BYTES_PER_S) -> float:
+    """Estimated time to write and hash a checkpoint of ``num_bytes`` (see the constants above)."""
+    return num_bytes / write_bytes_per_s + num_bytes / SHA256_BYTES_PER_S

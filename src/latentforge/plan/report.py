@@ -90,7 +90,21 @@ def memory_report(recipe: "Recipe", cfg: cost.PlanConfig, *, resolution: int | N
                        micro_batch_size=micro_batch or train_micro, **setup)
     mem.validate()
     name = f"{gpu_memory:g} GB" if gpu_memory else cfg.gpu
-    return format_memory(mem, estimate_memory(mem), gpu_memory or cost.GPU_MEMORY_GB[cfg.gpu], name)
+    est = estimate_memory(mem)
+    return (format_memory(mem, est, gpu_memory or cost.GPU_MEMORY_GB[cfg.gpu], name) + "\n"
+            + checkpoint_line(mem, est["parameters"], recipe.train.interrupt.grace_seconds))
+
+
+def checkpoint_line(mem, parameters: int, grace_seconds: float) -> str:
+    """How long a checkpoint of this set-up takes to write, against the interrupt grace period."""
+    from latentforge.plan.memory import CHECKPOINT_WRITE_BYTES_PER_S, checkpoint_bytes, checkpoint_seconds
+
+    num_bytes = checkpoint_bytes(mem, parameters)
+    seconds = checkpoint_seconds(num_bytes)
+    verdict = "within" if seconds <= grace_seconds else "LONGER than"
+    return (f"checkpoint: {num_bytes / 1e9:.2f} GB, about {seconds:.1f} s to write at "
+            f"{CHECKPOINT_WRITE_BYTES_PER_S / 1e9:g} GB/s and hash; {verdict} train.interrupt.grace_seconds="
+            f"{grace_seconds:g} (the time a signal leaves to save)")
 
 
 def recipe_memory_setup(recipe: "Recipe", cpu_offload: bool | None = None) -> dict:

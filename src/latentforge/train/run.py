@@ -26,6 +26,7 @@ from latentforge.data.loader import LoaderConfig, build_loader
 from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
 from latentforge.evaluate.eval import EvalConfig
+from latentforge.interrupt import StopOnSignal
 from latentforge.models.unet import UNetConfig, build_unet, unet_diffusers_config
 from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import parallelize, resolve_strategy
@@ -134,11 +135,22 @@ def pick_device(name: str) -> torch.device:
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: bool = True,
           world: World | None = None, on_checkpoint: Callable[[Path, int], None] | None = None,
-          source: DataSource | None = None) -> dict[str, Any]:
-    """Run (or resume) the training of ``cfg`` in ``run_dir``; returns the trainer's summary.
+          source: DataSource | None = None, stop_file: str | Path | None = None) -> dict[str, Any]:
+    """Run (or resume) the training of ``cfg`` in ``run_dir``; returns the trainer's summary
+    (``interrupted``: the signal that stopped it with a checkpoint, see ``latentforge.interrupt``).
     ``world``: from :func:`latentforge.distributed.env.init_world` (None = a single process);
     ``on_checkpoint(path, step)``: called on every rank after each complete checkpoint;
-    ``source``: where batches come from (None = precomputed latent shards)."""
+    ``source``: where batches come from (None = precomputed latent shards);
+    ``stop_file``: a path whose appearance stops the run like a signal (launchers whose workers
+    cannot install signal handlers)."""
+    # Signals received while the run is set up are held until the first step's check.
+    with StopOnSignal(cfg.train.interrupt, stop_file=stop_file, what="train") as stop:
+        return _train(cfg, run_dir, resume, progress, world, on_checkpoint, source, stop)
+
+
+def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, world: World | None,
+           on_checkpoint: Callable[[Path, int], None] | None, source: DataSource | None,
+           stop: StopOnSignal) -> dict[str, Any]:
     world = world or World()
     source = source or DataSource()
     run = Path(run_dir)
@@ -158,6 +170,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
         if tcfg.unet.overrides():
             raise ConfigError("train.unet: with init_from the U-Net is the base pipeline's: remove train.unet")
         finetune.check_data_matches_base(base, meta)
+        _note_resolution(base, meta, tcfg, world)
         tcfg = replace(tcfg, noise=finetune.base_noise_config(base, tcfg.noise))
     else:
         tcfg = replace(tcfg, unet=resolve_unet_config(tcfg.unet, meta))
@@ -212,10 +225,19 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     flops, peak = _flops_and_peak(tcfg, device, dict(model.config), source)
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
                       progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint,
-                      train_model=train_model, eval_fn=eval_fn)
-    if resume_from is not None and progress and world.is_main:
-        print(f"resuming from {resume_from}")
+                      train_model=train_model, eval_fn=eval_fn, stop=stop)
+    if resume_from is not None and world.is_main:  # also with --quiet: where a requeued job went on from
+        print(f"resuming from {resume_from}", flush=True)
     return trainer.fit(resume_from)
+
+
+def _note_resolution(base: Any, meta: dict[str, Any], cfg: TrainConfig, world: World) -> None:
+    """A fine-tune whose phases leave the resolution at 0 trains at the latents' resolution: say
+    so when it is not the pipeline's own (SD fine-tunes at other sizes too, so it is not refused)."""
+    native = base.unet_config.get("sample_size", 0) * meta["vae"].get("downsample_factor", 0)
+    if world.is_main and meta.get("resolution") != native and not all(p.resolution for p in cfg.phases):
+        print(f"finetune: training at the latents' {meta.get('resolution')} px; {base.path} was made for "
+              f"{native} px", flush=True)
 
 
 def _from_consolidated(sample_fn: Callable[[Any, int], None], unet_config: dict[str, Any], device: torch.device

@@ -41,6 +41,7 @@ from latentforge.diffusion.schedule import NoiseScheduleConfig, alphas_cumprod, 
 from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import ParallelConfig
 from latentforge.errors import ConfigError, UserError
+from latentforge.interrupt import InterruptConfig, StopOnSignal
 from latentforge.models.unet import UNetConfig
 from latentforge.train.ema import EMA, EMAConfig
 from latentforge.train.finetune import LoRAConfig, load_trainable_state_dict, trainable_state_dict
@@ -150,6 +151,8 @@ class TrainConfig:
         "help": "with nonfinite=skip: the most steps skipped in a run; one more stops it"})
     max_seconds: float = field(default=0.0, metadata={
         "help": "stop (with a checkpoint) after this much training time; 0 = off. A rerun continues."})
+    interrupt: InterruptConfig = field(default_factory=InterruptConfig, metadata={
+        "help": "on SIGINT / SIGTERM / a scheduler's warning signal: finish the step, checkpoint, exit 75"})
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"],
                                                                       metadata={"help": "metric loggers"})
     init_from: str = field(default="", metadata={
@@ -179,6 +182,10 @@ class TrainConfig:
             self.eval.validate()
         except ConfigError as e:
             raise ConfigError(f"eval.{e}") from None
+        try:
+            self.interrupt.validate()
+        except ConfigError as e:
+            raise ConfigError(f"interrupt.{e}") from None
         if self.parallel.strategy == "fsdp" and self.optim.name == "adamw8bit":
             # bitsandbytes' update kernel takes plain tensors; on FSDP2's DTensor parameters (CPU-offloaded
             # or not) it fails with "got mixed torch.Tensor and DTensor" (bitsandbytes 0.50).
@@ -264,7 +271,8 @@ class Trainer:
                  sample_fn: Callable[["Trainer", int], None] | None = None, progress: bool = True,
                  flops_per_image: list[float] | None = None, peak_flops: float | None = None,
                  on_checkpoint: Callable[[Path, int], None] | None = None,
-                 eval_fn: Callable[["Trainer", Path], dict[str, Any] | None] | None = None):
+                 eval_fn: Callable[["Trainer", Path], dict[str, Any] | None] | None = None,
+                 stop: StopOnSignal | None = None):
         """``model``: the plain U-Net (its state dict is what is saved); ``train_model``: what the
         forward pass calls (the same module, or a compiled / DDP / FSDP wrapper of it);
         ``make_loader(phase_index, micro_batch_size)``: the rank's loader of a phase;
@@ -273,7 +281,9 @@ class Trainer:
         ``on_checkpoint(path, step)``: called on every rank once a checkpoint is complete (a
         launcher reports it at once, so that a restart resumes from it);
         ``eval_fn(trainer, checkpoint)``: with ``cfg.eval.every_steps``, the evaluation of a
-        checkpoint just written (every rank calls it; rank 0 gets the results, the others None)."""
+        checkpoint just written (every rank calls it; rank 0 gets the results, the others None);
+        ``stop``: the stop request of an entered :class:`StopOnSignal` (None = signals are not
+        handled here, only a stop requested by another rank is followed)."""
         self.cfg = cfg
         self.model = model
         self.train_model = train_model or model
@@ -294,6 +304,8 @@ class Trainer:
         self._clock_start = time.perf_counter()
         self._session_eval_seconds = 0.0
         self._seconds_at_start = 0.0
+        self.stop = stop or StopOnSignal(cfg.interrupt)
+        self.checkpoint_seconds: list[float] = []  # of this process's saves, for the logs
         vae = latent_meta["vae"]
         self.scaling_factor = float(vae["scaling_factor"])
         self.shift_factor = float(vae.get("shift_factor") or 0.0)
@@ -348,6 +360,22 @@ class Trainer:
         return tensors, state, meta
 
     def save(self) -> Path:
+        """Write the checkpoint of this step (every rank calls it); the time it took is kept and
+        compared with the interrupt grace period."""
+        started = time.perf_counter()
+        self.stop.saving = True
+        try:
+            path = self._save()
+        finally:
+            self.stop.saving = False
+        seconds = time.perf_counter() - started
+        self.checkpoint_seconds.append(seconds)
+        if self.world.is_main:
+            log.info("checkpoint of step %d written in %.2f s", self.step, seconds)
+            self.stop.warn_if_slow(seconds, f"the checkpoint of step {self.step}")
+        return path
+
+    def _save(self) -> Path:
         tensors, state, meta = self.state()
         if self.sharded:
             from latentforge.distributed.dcp import save_sharded
@@ -464,10 +492,15 @@ class Trainer:
             _truncate_history(history_path, self.step)
             _truncate_history(self.run_dir / EVAL_LOG, self.step)
         stopped_early = False
-        if resume_from is not None and self._eval_due() and not _logged_step(self.run_dir / EVAL_LOG, self.step):
+        interrupted = None  # the signal that stopped the run
+        # A stop asked for before the first step (while the run was being set up): nothing new to save.
+        if self.phase < len(self.cfg.phases) and self.stop.agreed(self.world.any_rank, 0):
+            stopped_early, interrupted = True, self.stop.signal_name
+        if (not stopped_early and resume_from is not None and self._eval_due()
+                and not _logged_step(self.run_dir / EVAL_LOG, self.step)):
             self._evaluate(Path(resume_from))  # the run stopped between that checkpoint and its evaluation
         try:
-            while self.phase < len(self.cfg.phases):
+            while self.phase < len(self.cfg.phases) and not stopped_early:
                 phase_start = sum(self.phase_steps[: self.phase])
                 phase_end = phase_start + self.phase_steps[self.phase]
                 micro, accum, global_batch = self.phase_batches[self.phase]
@@ -510,10 +543,19 @@ class Trainer:
                         self.loader.close()
                         self.loader = None
                     evaluate = self._eval_due()
-                    if self.step % self.cfg.checkpoint.every_steps == 0 or end_of_phase or out_of_time or evaluate:
-                        path = self.save()
-                        if evaluate:
-                            self._evaluate(path)
+                    saved = (self.step % self.cfg.checkpoint.every_steps == 0 or end_of_phase or out_of_time
+                             or evaluate)
+                    path = self.save() if saved else None
+                    # After the periodic save, so that a signal received during it stops here. Every
+                    # rank takes part in the agreement at every step (a collective).
+                    stop = self.stop.agreed(self.world.any_rank, self.step) and self.step < self.total_steps
+                    if stop and not saved:
+                        self.save()
+                    if stop:  # an evaluation due at this step runs when the run resumes from it
+                        stopped_early, interrupted = True, self.stop.signal_name
+                        break
+                    if evaluate:
+                        self._evaluate(path)
                     if (self.sample_fn and self.cfg.sampling.every_steps
                             and self.step % self.cfg.sampling.every_steps == 0):
                         self.sample_fn(self, self.step)
@@ -530,7 +572,8 @@ class Trainer:
         if not stopped_early and self.sample_fn is not None:
             self.sample_fn(self, self.step)
         return {"step": self.step, "finished": not stopped_early, "seconds": time.perf_counter() - t_start,
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps, "interrupted": interrupted,
+                "checkpoint_seconds": max(self.checkpoint_seconds, default=None)}
 
     # ------------------------------------------------------------------ evaluation during training
 

@@ -7,13 +7,21 @@ appendix G) without the adversarial and perceptual terms: L1 + MSE reconstructio
 KL weight. After training, the latent scale factor is measured on training images
 (1 / std of the sampled latents, as section 4.3.2 of the paper prescribes) and written into the
 VAE's config, where encode picks it up; it is never a constant in code.
+
+Training is resumable: ``OUT/checkpoints/step-N/`` (the usual atomic checkpoints of
+:mod:`latentforge.checkpoint`) hold the weights, AdamW and LR state, the posterior-noise
+generator, the RNG states and the loader cursor, every ``checkpoint_every_steps`` and when a
+signal stops the run (:mod:`latentforge.interrupt`: exit code 75); a rerun of the same command
+continues from the newest one, exactly. They are removed once the VAE directory is written.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +32,19 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from latentforge import checkpoint as ckpt
 from latentforge import storage
-from latentforge.config import save_config
+from latentforge.config import load_config, save_config, to_dict
 from latentforge.data.loader import LoaderConfig, build_loader
 from latentforge.data.schema import read_index, read_shard
 from latentforge.errors import ConfigError, UserError
+from latentforge.interrupt import InterruptConfig, StopOnSignal
 from latentforge.models.autoencoder import AutoencoderConfig, build_vae
+from latentforge.train.rng import rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "train_vae_config.yaml"
 
 
 @dataclass
@@ -54,6 +69,10 @@ class VAETrainConfig:
     seed: int = field(default=0, metadata={"help": "seed of the initialisation and the posterior samples"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     log_every: int = field(default=50, metadata={"help": "steps between loss log lines"})
+    checkpoint_every_steps: int = field(default=500, metadata={
+        "help": "steps between resumable checkpoints in OUT/checkpoints (removed when training ends)"})
+    interrupt: InterruptConfig = field(default_factory=InterruptConfig, metadata={
+        "help": "on SIGINT / SIGTERM / a scheduler's warning signal: finish the step, checkpoint, exit 75"})
 
     def validate(self) -> None:
         if self.steps < 0 or self.max_seconds < 0:
@@ -64,6 +83,12 @@ class VAETrainConfig:
             raise ConfigError("batch_size: must be >= 1")
         if self.lr <= 0:
             raise ConfigError("lr: must be > 0")
+        if self.checkpoint_every_steps < 1:
+            raise ConfigError("checkpoint_every_steps: must be >= 1")
+        try:
+            self.interrupt.validate()
+        except ConfigError as e:
+            raise ConfigError(f"interrupt.{e}") from None
 
 
 def decode_images(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -122,8 +147,25 @@ def measure_latent_std(vae, batches, device: str, num: int, generator: torch.Gen
 
 
 def train_vae(cfg: VAETrainConfig, out_dir: str | Path, progress: bool = True) -> dict:
-    """Train, measure the scale factor, save a diffusers AutoencoderKL directory; returns metrics."""
-    out = Path(out_dir)
+    """Train (or resume, see the module docstring), measure the scale factor, save a diffusers
+    AutoencoderKL directory; returns metrics. Stopped by a signal, it returns
+    ``{"interrupted": signal name, "steps": step saved}`` instead."""
+    with StopOnSignal(cfg.interrupt, what="train-vae") as stop:
+        return _train_vae(cfg, Path(out_dir), progress, stop)
+
+
+def _check_same_config(out: Path, cfg: VAETrainConfig) -> None:
+    """A resume must train the same thing: everything but the stopping and logging knobs."""
+    free = ("steps", "max_seconds", "log_every", "checkpoint_every_steps", "interrupt", "device")
+    before = {k: v for k, v in to_dict(load_config(VAETrainConfig, out / CONFIG_FILE)).items() if k not in free}
+    now = {k: v for k, v in to_dict(cfg).items() if k not in free}
+    diffs = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if diffs:
+        raise UserError(f"{out}: holds checkpoints of a train-vae with another {', '.join(diffs)} "
+                        f"({CONFIG_FILE}); use another --out or restore the settings")
+
+
+def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSignal) -> dict:
     if (out / "config.json").exists():
         raise UserError(f"{out}: already holds a VAE; choose another --out")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
@@ -154,10 +196,46 @@ def train_vae(cfg: VAETrainConfig, out_dir: str | Path, progress: bool = True) -
     eval_images = _load_eval_images(cfg.eval_dataset, cfg.num_eval) if cfg.eval_dataset else None
 
     history: list[dict] = []
-    t0 = time.perf_counter()
-    bar = tqdm(total=cfg.steps or None, desc="train-vae", unit="step", disable=not progress, dynamic_ncols=True)
-    step = 0
+    step, seconds_before = 0, 0.0  # training time of the earlier runs this one resumes
+    resume_from = ckpt.find_latest(out)
+    if resume_from is not None:
+        _check_same_config(out, cfg)
+        c = ckpt.load_checkpoint(resume_from)
+        vae.load_state_dict(c.tensors["model"])
+        opt.load_state_dict(c.state["optimizer"])
+        sched.load_state_dict(c.state["lr_scheduler"])
+        gen.set_state(c.state["generator"])
+        set_rng_state(c.state["rng"])
+        loader.load_state_dict(c.meta["loader"])
+        step, seconds_before, history = c.step, float(c.meta["train_seconds"]), list(c.meta["history"])
+        print(f"resuming from {resume_from}", flush=True)  # also with --quiet
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / CONFIG_FILE)
+
+    t0 = time.perf_counter() - seconds_before
+
+    def save() -> float:
+        started = time.perf_counter()
+        stop.saving = True
+        try:
+            state = {"optimizer": opt.state_dict(), "lr_scheduler": sched.state_dict(),
+                     "generator": gen.get_state(), "rng": rng_state()}
+            meta = {"loader": loader.state_dict(), "train_seconds": time.perf_counter() - t0, "history": history}
+            ckpt.save_checkpoint(out, step, {"model": vae.state_dict()}, state, meta, keep_last=1)
+        finally:
+            stop.saving = False
+        seconds = time.perf_counter() - started
+        stop.warn_if_slow(seconds, f"the train-vae checkpoint of step {step}")
+        return seconds
+
+    bar = tqdm(total=cfg.steps or None, initial=step, desc="train-vae", unit="step", disable=not progress,
+               dynamic_ncols=True)
     it = iter(loader)
+    if stop.requested:  # during set-up: nothing new to save
+        bar.close()
+        loader.close()
+        return {"interrupted": stop.signal_name, "steps": step, "saved": resume_from is not None}
     while step < total:
         x = next(it)["pixels"].to(device)
         dist = vae.encode(x).latent_dist
@@ -179,7 +257,15 @@ def train_vae(cfg: VAETrainConfig, out_dir: str | Path, progress: bool = True) -
                             "train_psnr": rec_psnr, "time_s": time.perf_counter() - t0})
             bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", psnr=f"{rec_psnr:.1f}")
         bar.update(1)
-        if cfg.max_seconds and time.perf_counter() - t0 >= cfg.max_seconds:
+        out_of_time = bool(cfg.max_seconds) and time.perf_counter() - t0 >= cfg.max_seconds
+        if stop.requested and step < total and not out_of_time:
+            seconds = save()
+            bar.close()
+            loader.close()
+            return {"interrupted": stop.signal_name, "steps": step, "saved": True, "checkpoint_seconds": seconds}
+        if step % cfg.checkpoint_every_steps == 0 and step < total and not out_of_time:
+            save()
+        if out_of_time:
             break
     bar.close()
     loader.close()
@@ -200,7 +286,8 @@ def train_vae(cfg: VAETrainConfig, out_dir: str | Path, progress: bool = True) -
         "num_heldout": 0 if eval_images is None else len(eval_images),
         "history": history,
     }
-    vae.to("cpu").save_pretrained(out, safe_serialization=True)
-    save_config(cfg, out / "train_vae_config.yaml")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    save_config(cfg, out / CONFIG_FILE)
+    vae.to("cpu").save_pretrained(out, safe_serialization=True)  # config.json: the VAE is complete
+    shutil.rmtree(out / ckpt.CHECKPOINTS, ignore_errors=True)
     return metrics
