@@ -193,15 +193,21 @@ def expected_lora_params(pipe_dir: Path) -> int:
     return total
 
 
-def test_lora_trains_only_the_adapters_and_exports_both_ways(assets, tmp_path, monkeypatch):
-    trainers: list[Trainer] = []
+@pytest.fixture
+def trainers(monkeypatch) -> list[Trainer]:
+    """Every Trainer whose fit() runs during the test, in order (to inspect the model it trained)."""
+    seen: list[Trainer] = []
     fit = Trainer.fit
 
     def keep(self, resume_from=None):
-        trainers.append(self)
+        seen.append(self)
         return fit(self, resume_from)
 
     monkeypatch.setattr(Trainer, "fit", keep)
+    return seen
+
+
+def test_lora_trains_only_the_adapters_and_exports_both_ways(assets, tmp_path, trainers):
     run_dir = tmp_path / "lora"
     assert main(finetune_args(assets, "sd2v", run_dir, *lora_overrides())) == 0
     (trainer,) = trainers
@@ -249,18 +255,10 @@ def test_lora_trains_only_the_adapters_and_exports_both_ways(assets, tmp_path, m
     assert float((ours - without).abs().max()) > 1e-3  # and the adapters changed the model
 
 
-def test_lora_with_bfloat16_frozen_weights(assets, tmp_path, monkeypatch):
+def test_lora_with_bfloat16_frozen_weights(assets, tmp_path, trainers):
     """frozen_dtype bfloat16 (with bf16 autocast): the frozen base is held in bf16, the adapters in
     fp32 and only they are checkpointed and trained; every logged loss stays within bf16 rounding
     of the same run with an fp32 base (autocast computes in bf16 either way)."""
-    trainers: list[Trainer] = []
-    fit = Trainer.fit
-
-    def keep(self, resume_from=None):
-        trainers.append(self)
-        return fit(self, resume_from)
-
-    monkeypatch.setattr(Trainer, "fit", keep)
     runs = {}
     for dtype in ("float32", "bfloat16"):
         runs[dtype] = tmp_path / dtype

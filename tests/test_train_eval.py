@@ -118,3 +118,22 @@ def test_evaluation_without_a_metric_model_fails_before_training(latent_data, ev
     with pytest.raises(ConfigError, match="train.eval.every_steps: the recipe's eval section names no metric model"):
         train(cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_report_command_writes_the_report_and_refuses_a_run_without_evaluations(evaluated_run, tmp_path, capsys):
+    from latentforge.cli import main
+
+    _, run = evaluated_run
+    assert main(["report", str(run)]) == 0
+    assert f"-> {run / 'report' / 'quality.md'}" in capsys.readouterr().out
+    assert "| 4 | 16 |" in (run / "report" / "quality.md").read_text()
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"latentforge: error: {tmp_path}: not a latentforge training run (no train_config.yaml / "
+                   "data_meta.json)"]
+    for name in ("train_config.yaml", "data_meta.json"):  # a run that evaluated nothing
+        shutil.copy(run / name, tmp_path / name)
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"latentforge: error: {tmp_path}: no eval.jsonl; evaluations are written during training when "
+                   "train.eval.every_steps is set (and the recipe's eval section names the metric models)"]

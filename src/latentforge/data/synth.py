@@ -68,6 +68,7 @@ __all__ = [
     "HELDOUT_COMBOS",
     "SynthConfig",
     "parse_combo",
+    "placement",
     "render",
     "caption_for",
     "prompts_for_combos",
@@ -296,14 +297,21 @@ def _background(tone: str, image_size: int, rng: np.random.Generator) -> np.ndar
     return (level + amplitude * ramp + noise)[:, :, None].astype(np.float32)
 
 
-def _mask(shape: str, size: str, position: str, image_size: int, rng: np.random.Generator) -> np.ndarray:
-    """Coverage of the shape per pixel in [0, 1], float32 (H, W, 1)."""
-    side = image_size * _SUPERSAMPLE
+def placement(size: str, position: str, side: int, rng: np.random.Generator) -> tuple[float, float, float, float]:
+    """(centre x, centre y, radius, rotation in radians) of a shape on a canvas of ``side`` px, with
+    the dataset's jitter of position, size and rotation (four draws from ``rng``, in that order)."""
     cx, cy = POSITIONS[position]
     cx = (cx + rng.uniform(-_POS_JITTER, _POS_JITTER)) * side
     cy = (cy + rng.uniform(-_POS_JITTER, _POS_JITTER)) * side
     radius = SIZES[size] / 2 * rng.uniform(1 - _SIZE_JITTER, 1 + _SIZE_JITTER) * side
     rot = np.deg2rad(rng.uniform(-_ROT_JITTER, _ROT_JITTER))
+    return cx, cy, radius, rot
+
+
+def _mask(shape: str, size: str, position: str, image_size: int, rng: np.random.Generator) -> np.ndarray:
+    """Coverage of the shape per pixel in [0, 1], float32 (H, W, 1)."""
+    side = image_size * _SUPERSAMPLE
+    cx, cy, radius, rot = placement(size, position, side, rng)
     pts = np.asarray(_OUTLINES[shape], dtype=np.float64)
     c, s = np.cos(rot), np.sin(rot)
     pts = pts @ np.array([[c, s], [-s, c]]) * radius + (cx, cy)

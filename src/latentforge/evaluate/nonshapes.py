@@ -21,15 +21,13 @@ from PIL import Image, ImageDraw
 
 from latentforge.data.synth import (
     _OUTLINES,
-    _POS_JITTER,
-    _ROT_JITTER,
-    _SIZE_JITTER,
     _SUPERSAMPLE,
     BACKGROUNDS,
     COLORS,
     POSITIONS,
     SIZES,
     _background,
+    placement,
 )
 
 __all__ = ["NONSHAPE_KINDS", "NonShape", "render_nonshape", "nonshape_set"]
@@ -109,11 +107,7 @@ def render_nonshape(kind: str, color: str, size: str, position: str, background:
     """One image of ``kind`` (a key of :data:`NONSHAPE_KINDS`) in the dataset's style."""
     side = image_size * _SUPERSAMPLE
     bg = _background(background, image_size, rng)
-    px, py = POSITIONS[position]
-    cx = (px + rng.uniform(-_POS_JITTER, _POS_JITTER)) * side
-    cy = (py + rng.uniform(-_POS_JITTER, _POS_JITTER)) * side
-    radius = SIZES[size] / 2 * rng.uniform(1 - _SIZE_JITTER, 1 + _SIZE_JITTER) * side
-    rot = np.deg2rad(rng.uniform(-_ROT_JITTER, _ROT_JITTER))
+    cx, cy, radius, rot = placement(size, position, side, rng)
     rgb = np.asarray(COLORS[color], dtype=np.float32)
     canvas = Image.new("L", (side, side), 0)
     draw = ImageDraw.Draw(canvas)
