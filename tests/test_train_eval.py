@@ -79,7 +79,10 @@ def test_checkpoints_are_evaluated_and_logged_against_images_gpu_hours_and_dolla
 def test_a_resumed_run_continues_the_same_curve(evaluated_run):
     cfg, run = evaluated_run
     before = read_evaluations(run)
-    shutil.rmtree(run / "eval" / "step-00000004")  # regenerate the images of step 4, not reuse them
+    # The images of step 4 left by the first trajectory must not be reused for the new step-4 checkpoint
+    # (spoil one: a reused set would change the metrics).
+    spoiled = run / "eval" / "step-00000004" / "images" / "cfg-1" / "000000.png"
+    spoiled.write_bytes((run / "eval" / "step-00000004" / "images" / "cfg-3" / "000004.png").read_bytes())
     assert train(cfg, run, resume=str(run / "checkpoints" / "step-00000002"), progress=False)["finished"]
     after = read_evaluations(run)
     assert [r["step"] for r in after] == [2, 4] and after[0] == before[0]  # step 2 kept, step 4 written again

@@ -10,10 +10,12 @@ batches). The trainer logs the metrics against step, training images, GPU-hours 
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+from latentforge import checkpoint as ckpt
 from latentforge.errors import ConfigError
 from latentforge.evaluate.eval import EvalConfig, evaluate
 from latentforge.evaluate.inputs import load_prompts, load_reference
@@ -44,7 +46,14 @@ def training_evaluator(cfg: EvalConfig, every: Any, run: Path, world: Any) -> Ca
     num_images = every.num_images or cfg.num_images
 
     def evaluate_checkpoint(trainer: Any, checkpoint: Path) -> dict | None:
+        out = Path(run) / EVAL_DIR / Path(checkpoint).name
+        started = out / "generation.json"  # written when an evaluation of this step starts
+        marker = Path(checkpoint) / ckpt.MARKER
+        if world.is_main and started.exists() and started.stat().st_mtime < marker.stat().st_mtime:
+            # images of an earlier checkpoint of the same step (the run went on from an older checkpoint):
+            # never mixed with this one's. The other ranks wait in evaluate's first barrier.
+            shutil.rmtree(out)
         step_cfg = replace(cfg, checkpoint=str(checkpoint), num_images=num_images)
-        return evaluate(step_cfg, Path(run) / EVAL_DIR / Path(checkpoint).name, progress=False, world=world)
+        return evaluate(step_cfg, out, progress=False, world=world)
 
     return evaluate_checkpoint
