@@ -299,7 +299,6 @@ class Trainer:
         self.eval_fn = eval_fn if cfg.eval.every_steps else None
         # Wall time of the training loop (evaluation excluded) and of the evaluations, over every
         # session of the run (checkpointed): the GPU-hours and dollars that evaluations are logged against.
-        self.train_seconds = 0.0
         self.eval_seconds = 0.0
         self._clock_start = time.perf_counter()
         self._session_eval_seconds = 0.0
