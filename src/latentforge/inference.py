@@ -129,7 +129,7 @@ def generate_latents(unet: torch.nn.Module, text_model: Any, tokenizer: Any, noi
     size = latent_size or unet.config.sample_size
     shape = (len(prompts), unet.config.in_channels, size, size)
     generator = torch.Generator(device=device).manual_seed(seed)
-    return sample_latents(unet, make_sampler(sampler, noise), cond, uncond, shape, num_steps, guidance_scale,
+    return sample_latents(unet, make_sampler(sampler, noise, size), cond, uncond, shape, num_steps, guidance_scale,
                           generator, device=device, dtype=unet.dtype)
 
 
