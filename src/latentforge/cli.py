@@ -207,7 +207,7 @@ def cmd_sample(ns, overrides):
     out = Path(ns.out)
     if (out / "grid.png").exists() and not ns.overwrite:
         raise UserError(f"{out}: already holds samples (grid.png); choose another --out or pass --overwrite")
-    comps = load_components(ns.checkpoint, use_ema=not ns.no_ema)
+    comps = load_components(ns.checkpoint, use_ema=not ns.no_ema, sampler=ns.sampler)
     prompts = [p for p in ns.prompt for _ in range(ns.num_per_prompt)]
     images = generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length,
                       prompts, seed=ns.seed, num_steps=ns.steps, guidance_scale=ns.cfg, sampler=ns.sampler)

@@ -39,6 +39,7 @@ __all__ = [
     "flow_scheduler_config",
     "sampling_shift",
     "check_scheduler_objective",
+    "check_sampler_name",
     "make_train_scheduler",
     "make_sampler",
     "alphas_cumprod",
@@ -203,6 +204,15 @@ def sampling_shift(cfg: NoiseScheduleConfig, latent_size: int | None) -> float:
     return resolution_shift(cfg.flow_shift, cfg.flow_shift_base_size, latent_size or 0, latent_size or 0)
 
 
+def check_sampler_name(name: str, cfg: NoiseScheduleConfig) -> None:
+    """Refuse a sampler name that has no form for this objective (before any model is loaded)."""
+    if cfg.prediction_type == FLOW_MATCHING and name not in FLOW_SAMPLERS:
+        raise ConfigError(f"sampler: {name!r} has no flow-matching form here; a flow_matching model samples with "
+                          f"{', '.join(FLOW_SAMPLERS)}")
+    if name not in SAMPLERS:
+        raise ConfigError(f"sampler: unknown {name!r}; choose one of {', '.join(SAMPLERS)}")
+
+
 def flow_scheduler_config(cfg: NoiseScheduleConfig, sampler: str, latent_size: int | None = None) -> dict[str, Any]:
     """The diffusers config of flow-matching sampler ``sampler`` (a key of FLOW_SAMPLERS) for latents of
     side ``latent_size``: the same shift as training at that size, sigma * num_train_timesteps as the
@@ -210,9 +220,7 @@ def flow_scheduler_config(cfg: NoiseScheduleConfig, sampler: str, latent_size: i
     cfg.validate()
     if cfg.prediction_type != FLOW_MATCHING:
         raise ConfigError(f"prediction_type: {cfg.prediction_type} is not flow_matching; use scheduler_config")
-    if sampler not in FLOW_SAMPLERS:
-        raise ConfigError(f"sampler: {sampler!r} has no flow-matching form here; a flow_matching model samples with "
-                          f"{', '.join(FLOW_SAMPLERS)}")
+    check_sampler_name(sampler, cfg)
     shift = sampling_shift(cfg, latent_size)
     if FLOW_SAMPLERS[sampler][0] is FlowMatchEulerDiscreteScheduler:
         return {"num_train_timesteps": cfg.num_train_timesteps, "shift": shift}
@@ -223,6 +231,8 @@ def flow_scheduler_config(cfg: NoiseScheduleConfig, sampler: str, latent_size: i
         "flow_shift": shift,
         "algorithm_type": "dpmsolver++",
         "final_sigmas_type": "zero",  # the last step lands on sigma = 0, the data
+        # Unused on flow sigmas; StableDiffusionPipeline rewrites any other value to 1, with a warning.
+        "steps_offset": 1,
         **FLOW_SAMPLERS[sampler][1],
     }
 
