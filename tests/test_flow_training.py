@@ -243,3 +243,19 @@ def test_flow_sample_with_flow_match_euler_and_export_refusals(flow_run, tmp_pat
             "--prompt", "a", "--steps", "2"]
     assert main(args) == 2
     _one_error_line(capsys, "sampler: 'ddpm' has no flow-matching form")
+
+
+def test_init_from_a_flow_export_reads_its_objective(flow_run, tmp_path):
+    """``train.init_from`` a flow-matching export: the noise config read from its scheduler is
+    flow matching with the exported shift (3 at 8x8), and another objective is refused."""
+    from latentforge.errors import ConfigError
+    from latentforge.train.finetune import base_noise_config, open_base
+
+    out = tmp_path / "export"
+    assert main(["export", "--checkpoint", str(flow_run), "--out", str(out)]) == 0
+    base = open_base(str(out))
+    noise = base_noise_config(base, NoiseScheduleConfig())
+    assert noise == NoiseScheduleConfig(prediction_type="flow_matching", flow_shift=3.0)
+    assert base_noise_config(base, noise) == noise
+    with pytest.raises(ConfigError, match="train.noise: differs from"):
+        base_noise_config(base, NoiseScheduleConfig(prediction_type="v_prediction"))
