@@ -226,14 +226,34 @@ def test_exported_flow_pipeline_reproduces_sample(flow_run, tmp_path, scheduler,
 
 
 def test_flow_sample_with_flow_match_euler_and_export_refusals(flow_run, tmp_path, capsys):
-    """``sample --sampler euler`` runs FlowMatchEulerDiscreteScheduler (its images differ from the
-    DPM grid's); exporting with it, or sampling with ddpm, is one line and exit code 2."""
+    """``sample --sampler euler`` integrates the flow ODE with Euler steps on the sigmas of
+    FlowMatchEulerDiscreteScheduler(shift=3): the same as a plain loop x <- x + (s' - s) v(x, s T)
+    with guidance, from x ~ N(0, I) drawn by the seed's generator; exporting with it, or sampling
+    with ddpm, is one line and exit code 2."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from latentforge.models.text import encode_text
     from test_export import _one_error_line
 
     c = load_components(flow_run)
     euler = generate_latents(c.unet, c.text_model, c.tokenizer, c.noise, c.max_length, PROMPTS, 0, 4, CFG, "euler")
     ddim = generate_latents(c.unet, c.text_model, c.tokenizer, c.noise, c.max_length, PROMPTS, 0, 4, CFG, "ddim")
     assert torch.isfinite(euler).all() and not torch.allclose(euler, ddim, atol=1e-3)
+
+    reference = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    reference.set_timesteps(4)
+    sigmas = reference.sigmas.tolist()
+    assert sigmas[0] == 1.0 and sigmas[-1] == 0.0 and len(sigmas) == 5
+    with torch.no_grad():
+        cond = encode_text(c.text_model, c.tokenizer, PROMPTS, c.max_length)["text_hidden"]
+        uncond = encode_text(c.text_model, c.tokenizer, [""] * 2, c.max_length)["text_hidden"]
+        x = torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(0))
+        for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+            t = torch.tensor(s * 1000.0)
+            v_uncond = c.unet(x, t, encoder_hidden_states=uncond, return_dict=False)[0]
+            v_cond = c.unet(x, t, encoder_hidden_states=cond, return_dict=False)[0]
+            x = x + (s_next - s) * (v_uncond + CFG * (v_cond - v_uncond))
+    torch.testing.assert_close(euler, x, rtol=1e-4, atol=1e-4)
     capsys.readouterr()  # the loading bars of load_components
 
     assert main(["export", "--checkpoint", str(flow_run), "--out", str(tmp_path / "e"), "--scheduler", "euler"]) == 2
