@@ -279,3 +279,18 @@ def test_init_from_a_flow_export_reads_its_objective(flow_run, tmp_path):
     assert base_noise_config(base, noise) == noise
     with pytest.raises(ConfigError, match="train.noise: differs from"):
         base_noise_config(base, NoiseScheduleConfig(prediction_type="v_prediction"))
+
+
+def test_why_export_refuses_euler_stable_diffusion_pipeline_cannot_run_flow_match_euler(flow_run, tmp_path):
+    """The reason behind the refusal, kept as a check: StableDiffusionPipeline (diffusers 0.42)
+    multiplies the initial noise by ``scheduler.init_noise_sigma``, which FlowMatchEulerDiscreteScheduler
+    does not have. If a diffusers upgrade makes this pass, the export can offer euler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    out = tmp_path / "export"
+    assert main(["export", "--checkpoint", str(flow_run), "--out", str(out)]) == 0
+    pipe = DiffusionPipeline.from_pretrained(str(out), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    with pytest.raises(AttributeError, match="init_noise_sigma"):
+        pipe(PROMPTS[:1], num_inference_steps=2, height=RES, width=RES, output_type="latent")
