@@ -23,7 +23,7 @@ from PIL import Image, ImageDraw
 
 from latentforge import checkpoint as ckpt
 from latentforge.diffusion.sampling import sample_latents
-from latentforge.diffusion.schedule import NoiseScheduleConfig, make_sampler
+from latentforge.diffusion.schedule import NoiseScheduleConfig, check_sampler_name, make_sampler
 from latentforge.errors import UserError
 from latentforge.models.autoencoder import load_vae
 from latentforge.models.text import encode_text, load_text_encoder
@@ -82,10 +82,15 @@ def load_encoders(meta: dict[str, Any], device: torch.device) -> tuple[Any, Any,
     return vae, text_model, tokenizer
 
 
-def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | torch.device = "cpu") -> Components:
+def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | torch.device = "cpu",
+                    sampler: str | None = None) -> Components:
+    """The run's models and noise schedule; ``sampler``: a sampler name checked against the run's
+    objective first, before any model is loaded."""
     path = resolve_checkpoint(checkpoint)
     run = run_dir_of(path)
     cfg, meta = load_run_files(run)
+    if sampler is not None:
+        check_sampler_name(sampler, cfg.train.noise)
     device = torch.device(device)
     c = ckpt.load_checkpoint(path)
     group = "ema" if use_ema and "ema" in c.tensors else "model"  # a run without EMA has only the raw weights
@@ -129,7 +134,7 @@ def generate_latents(unet: torch.nn.Module, text_model: Any, tokenizer: Any, noi
     size = latent_size or unet.config.sample_size
     shape = (len(prompts), unet.config.in_channels, size, size)
     generator = torch.Generator(device=device).manual_seed(seed)
-    return sample_latents(unet, make_sampler(sampler, noise), cond, uncond, shape, num_steps, guidance_scale,
+    return sample_latents(unet, make_sampler(sampler, noise, size), cond, uncond, shape, num_steps, guidance_scale,
                           generator, device=device, dtype=unet.dtype)
 
 

@@ -16,6 +16,10 @@ from a checkpoint reproduces our samples for the same seed:
 5. with the pipeline's default ``guidance_rescale=0`` no guidance rescaling (Lin et al. 2023) is
    done, and none is done here.
 
+The same loop runs a flow-matching model with diffusers' flow schedulers (timesteps are then
+sigma * num_train_timesteps; FlowMatchEulerDiscreteScheduler's are float32, the flow
+DPM-Solver's int64; the model's output is the velocity, which the scheduler integrates).
+
 One difference is deliberate and optional: the pipeline never passes an ``encoder_attention_mask``
 to the U-Net (SD's CLIP states attend over all 77 positions, padding included). This loop passes
 one only when given one. A model trained with masks is therefore sampled here with masks, but an
@@ -96,7 +100,9 @@ def sample_latents(
 
     scheduler.set_timesteps(num_steps, device=device)
     latents = randn_tensor(tuple(shape), generator=generator, device=device, dtype=dtype)
-    latents = latents * scheduler.init_noise_sigma
+    # Flow-matching schedulers start at sigma = 1, unit-variance noise. FlowMatchEulerDiscreteScheduler
+    # has no init_noise_sigma (StableDiffusionPipeline fails on it there; the flow DPM-Solver has 1.0).
+    latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)
 
     step_params = set(inspect.signature(scheduler.step).parameters)
     step_kwargs = {}
@@ -107,7 +113,8 @@ def sample_latents(
 
     for t in scheduler.timesteps:
         model_input = torch.cat([latents] * 2) if do_guidance else latents
-        model_input = scheduler.scale_model_input(model_input, t)
+        if hasattr(scheduler, "scale_model_input"):  # as the pipeline does: flow schedulers have none
+            model_input = scheduler.scale_model_input(model_input, t)
         pred = unet(model_input, t, encoder_hidden_states=hidden, encoder_attention_mask=mask, return_dict=False)[0]
         if do_guidance:
             pred_uncond, pred_cond = pred.chunk(2)

@@ -14,6 +14,11 @@ merged into the base U-Net (``fuse_lora``), or with ``lora_file=True`` only the 
 
 The directory is written under a temporary name next to ``out_dir`` and renamed into place when
 complete, so an interrupted export leaves no half-written pipeline under the final name.
+
+A flow-matching run (``train.noise.prediction_type: flow_matching``) is exported with
+DPMSolverMultistepScheduler on flow sigmas (``--scheduler ddim``: first order, the Euler step;
+``dpm++``: second order), with the shift of the U-Net's sample size: StableDiffusionPipeline
+cannot run FlowMatchEulerDiscreteScheduler (``euler``), which has no ``init_noise_sigma``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import os
 import shutil
 from pathlib import Path
 
-from latentforge.diffusion.schedule import make_sampler
+from latentforge.diffusion.flow_matching import FLOW_MATCHING
+from latentforge.diffusion.schedule import check_scheduler_objective, make_sampler
 from latentforge.errors import UserError
 from latentforge.inference import load_components, load_run_files, resolve_checkpoint, run_dir_of
 
@@ -45,7 +51,14 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
     if meta["vae"].get("shift_factor"):
         raise UserError("export: the run's VAE has a shift_factor, which StableDiffusionPipeline ignores when "
                         "decoding (it decodes latents / scaling_factor): the pipeline could not reproduce this model")
+    if cfg.train.noise.prediction_type == FLOW_MATCHING and scheduler == "euler":
+        raise UserError("export: StableDiffusionPipeline cannot run FlowMatchEulerDiscreteScheduler (it has no "
+                        "init_noise_sigma, diffusers 0.42): export this flow_matching model with --scheduler ddim "
+                        "(the same Euler step on DPM-Solver's flow sigmas) or dpm++")
     comps = load_components(path, use_ema=use_ema)
+    # The pipeline samples at the U-Net's sample_size by default: the flow shift of that latent size.
+    sampler = make_sampler(scheduler, comps.noise, comps.unet.config.sample_size)
+    check_scheduler_objective(sampler, comps.noise)
     lora_state = None
     if is_lora:
         from latentforge.train.finetune import lora_state_for_diffusers
@@ -59,7 +72,7 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
     comps.tokenizer.model_max_length = comps.max_length
     pipe = StableDiffusionPipeline(
         vae=comps.vae, text_encoder=comps.text_model, tokenizer=comps.tokenizer, unet=comps.unet,
-        scheduler=make_sampler(scheduler, comps.noise), safety_checker=None, feature_extractor=None,
+        scheduler=sampler, safety_checker=None, feature_extractor=None,
         requires_safety_checker=False,
     )
     final = out.resolve()

@@ -141,9 +141,17 @@ def base_noise_config(base: BasePipeline, configured: NoiseScheduleConfig) -> No
     if s.get("trained_betas") is not None:
         raise UserError(f"{base.path}/scheduler: trained_betas (an explicit beta list) is not supported")
     defaults = NoiseScheduleConfig()
-    values = {ours: s[theirs] for theirs, ours in _SCHEDULER_KEYS.items() if s.get(theirs) is not None}
-    values.setdefault("timestep_spacing", "leading")  # diffusers' default when the key is absent
-    values.setdefault("prediction_type", "epsilon")
+    if s.get("_class_name") == "FlowMatchEulerDiscreteScheduler" or s.get("prediction_type") == "flow_prediction":
+        # A flow-matching pipeline (latentforge exports one with DPM-Solver on flow sigmas): its
+        # objective, with the shift it samples with (a shift that grew with the size is not recorded).
+        values = {"prediction_type": "flow_matching", "flow_shift": float(s.get("flow_shift") or s.get("shift") or 1.0)}
+    else:
+        values = {ours: s[theirs] for theirs, ours in _SCHEDULER_KEYS.items() if s.get(theirs) is not None}
+    if values.get("prediction_type") != "flow_matching":
+        values.setdefault("timestep_spacing", "leading")  # diffusers' default when the key is absent
+        values.setdefault("prediction_type", "epsilon")
+    if "num_train_timesteps" in s:
+        values["num_train_timesteps"] = s["num_train_timesteps"]
     try:
         noise = replace(defaults, **values)
         noise.validate()

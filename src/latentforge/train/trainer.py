@@ -36,6 +36,14 @@ from tqdm import tqdm
 
 from latentforge import checkpoint as ckpt
 from latentforge.data.loader import StreamConfig, TrainLoader
+from latentforge.diffusion.flow_matching import (
+    FLOW_MATCHING,
+    flow_noisy,
+    flow_target,
+    flow_timestep,
+    resolution_shift,
+    sample_flow_sigmas,
+)
 from latentforge.diffusion.objectives import add_noise, diffusion_loss, min_snr_weight, training_target
 from latentforge.diffusion.schedule import NoiseScheduleConfig, alphas_cumprod, snr
 from latentforge.distributed.env import World
@@ -177,6 +185,17 @@ class TrainConfig:
             raise ConfigError("log_every: must be >= 1")
         if self.min_snr_gamma < 0 or self.offset_noise < 0:
             raise ConfigError("min_snr_gamma: min_snr_gamma and offset_noise must be >= 0")
+        if self.noise.prediction_type == FLOW_MATCHING:
+            # docs/decisions.md §8: what these mean under flow matching, and why they are refused.
+            if self.min_snr_gamma:
+                raise ConfigError("min_snr_gamma: not used with flow_matching, whose loss weighting is the density sigma "
+                                  "is drawn from (noise.flow_time_sampling, SD3 sec. 3.1): set 0")
+            if self.offset_noise:
+                raise ConfigError("offset_noise: flow_matching already ends at pure noise (SNR 0 at sigma = 1), the "
+                                  "flaw offset noise works around, and sampling starts from N(0, I), not from the "
+                                  "offset noise it would train on: set 0")
+            if self.sampling.prompts and self.sampling.sampler == "ddpm":
+                raise ConfigError("sampling.sampler: ddpm has no flow-matching form here; use ddim, dpm++ or euler")
         self.parallel.validate()
         try:
             self.eval.validate()
@@ -243,15 +262,19 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def sample_noise(seed: int, positions: list[int], latent_shape: tuple[int, ...], num_timesteps: int,
-                 offset_noise: float, posterior: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 offset_noise: float, posterior: bool,
+                 draw_time: Callable[[torch.Generator], torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(timesteps, noise, posterior noise) for the samples at global ``positions``, each drawn from
-    its own CPU generator seeded by hash(seed, position): independent of rank count and resume."""
+    its own CPU generator seeded by hash(seed, position): independent of rank count and resume.
+    ``draw_time(generator)``: the time of one sample (flow matching: its sigma, shape (1,)); by
+    default an integer timestep uniform on 0 .. num_timesteps - 1."""
     with np.errstate(over="ignore"):
         keys = _splitmix64(np.asarray(positions, dtype=np.uint64) ^ _splitmix64(np.asarray([seed], dtype=np.uint64)))
     ts, noises, posts = [], [], []
     for key in keys.tolist():
         g = torch.Generator().manual_seed(int(key) & 0x7FFF_FFFF_FFFF_FFFF)
-        ts.append(torch.randint(0, num_timesteps, (1,), generator=g))
+        ts.append(draw_time(g) if draw_time else torch.randint(0, num_timesteps, (1,), generator=g))
         n = torch.randn(latent_shape, generator=g)
         if offset_noise:
             # Guttenberg 2023, "Diffusion with Offset Noise": a per-channel constant shift.
@@ -308,7 +331,8 @@ class Trainer:
         vae = latent_meta["vae"]
         self.scaling_factor = float(vae["scaling_factor"])
         self.shift_factor = float(vae.get("shift_factor") or 0.0)
-        self.alphas_cumprod = alphas_cumprod(cfg.noise).to(self.device)
+        self.flow = cfg.noise.prediction_type == FLOW_MATCHING
+        self.alphas_cumprod = None if self.flow else alphas_cumprod(cfg.noise).to(self.device)
         # A LoRA run checkpoints and averages only what it trains: the base is the init_from directory.
         self.trainable_only = cfg.lora is not None
         self.optimizer = build_optimizer(model.parameters(), cfg.optim, self.device.type)
@@ -439,11 +463,16 @@ class Trainer:
         cfg = self.cfg
         shape = tuple(batch["latent_mean"].shape[1:])
         t, noise, post = sample_noise(cfg.seed, batch["_position"], shape, cfg.noise.num_train_timesteps,
-                                      cfg.offset_noise, cfg.sample_posterior and "latent_std" in batch)
+                                      cfg.offset_noise, cfg.sample_posterior and "latent_std" in batch,
+                                      self._flow_time(shape) if self.flow else None)
         x0 = self.latents_from_batch(batch, post)
         t, noise = t.to(self.device), noise.to(self.device)
-        x_t = add_noise(x0, noise, t, self.alphas_cumprod)
-        target = training_target(x0, noise, t, self.alphas_cumprod, cfg.noise.prediction_type)
+        if self.flow:  # t is sigma in [0, 1]; the model is given sigma * T (diffusers' convention)
+            x_t, target = flow_noisy(x0, noise, t), flow_target(x0, noise)
+            t = flow_timestep(t, cfg.noise.num_train_timesteps)
+        else:
+            x_t = add_noise(x0, noise, t, self.alphas_cumprod)
+            target = training_target(x0, noise, t, self.alphas_cumprod, cfg.noise.prediction_type)
         hidden = batch["text_hidden"].to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             pred = self.train_model(x_t, t, encoder_hidden_states=hidden.to(self.autocast_dtype or torch.float32),
@@ -452,6 +481,12 @@ class Trainer:
         if cfg.min_snr_gamma:
             weights = min_snr_weight(snr(self.alphas_cumprod, t), cfg.min_snr_gamma, cfg.noise.prediction_type)
         return diffusion_loss(pred, target, weights)
+
+    def _flow_time(self, latent_shape: tuple[int, ...]) -> Callable[[torch.Generator], torch.Tensor]:
+        """The draw of one sample's sigma, shifted for this latent size (SD3 sec. 3.1 and 5.3.2)."""
+        n = self.cfg.noise
+        shift = resolution_shift(n.flow_shift, n.flow_shift_base_size, latent_shape[-2], latent_shape[-1])
+        return lambda g: sample_flow_sigmas(1, g, n.flow_time_sampling, n.flow_logit_mean, n.flow_logit_std, shift)
 
     def train_step(self, batches: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """One optimizer step over ``batches`` (the accumulation micro batches)."""
