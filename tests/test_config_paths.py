@@ -23,7 +23,7 @@ import latentforge
 from latentforge.cli import main
 from latentforge.config import apply_overrides, from_dict, load_yaml, to_dict
 from latentforge.distributed.ray_launch import RayConfig
-from latentforge.errors import ConfigError
+from latentforge.errors import ConfigError, Problem
 from latentforge.models.unet import UNetConfig
 from latentforge.plan.memory import MemoryConfig
 from latentforge.recipe import Recipe, load_recipe, resolve_recipe_path
@@ -251,7 +251,6 @@ DIRECT_CASES = [
     (UNetConfig, {"preset": "nope"}, "preset", "unknown 'nope'"),
 ]
 
-REACHED: set[tuple[str, int]] = set()  # (file, line) of every check a case reached
 
 
 def _override_key(path: str) -> str:
@@ -271,17 +270,16 @@ def _follow(data, path: str):
     return node
 
 
-def _only_problem(e: ConfigError, also: tuple[str, ...] = ()) -> str:
+def _only_problem(e: ConfigError, also: tuple[str, ...] = ()) -> Problem:
     """The one problem of the broken field (besides those at the paths ``also``)."""
     mine = [p for p in e.problems if p.text.split(": ", 1)[0] not in also]
     assert len(mine) == 1, f"more than the one broken field reported: {e.problems}"
     assert len(e.problems) == len(mine) + len(also), e.problems
-    REACHED.add(mine[0].site)
-    return mine[0].text
+    return mine[0]
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_each_problem_names_its_yaml_path(case: Case, tmp_path):
+def _run_case(case: Case, tmp_path: Path) -> Problem:
+    """Write the case's recipe as YAML, load it, and check the problem it gives; returns it."""
     data = apply_overrides(load_yaml(resolve_recipe_path(case.recipe)), list(case.extra))
     try:
         good = from_dict(Recipe, data)  # the scene alone is valid
@@ -295,27 +293,43 @@ def test_each_problem_names_its_yaml_path(case: Case, tmp_path):
     assert _follow(yaml.safe_load(recipe.read_text()), case.path) == yaml.safe_load(case.value)
     with pytest.raises(ConfigError) as e:
         load_recipe(str(recipe))
-    text = _only_problem(e.value, case.also)
-    assert text.startswith(f"{case.path}: ") and case.says in text, text
+    problem = _only_problem(e.value, case.also)
+    assert problem.text.startswith(f"{case.path}: ") and case.says in problem.text, problem.text
+    return problem
 
 
-@pytest.mark.parametrize("cls, kwargs, name, says", DIRECT_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
-def test_each_problem_of_a_config_built_in_code_names_its_field(cls, kwargs, name, says):
+def _run_direct_case(cls, kwargs, name, says) -> Problem:
     _follow(to_dict(cls()), name)
     with pytest.raises(ConfigError) as e:
         cls(**kwargs).validate()
-    text = _only_problem(e.value)
-    assert text.startswith(f"{name}: ") and says in text, text
+    problem = _only_problem(e.value)
+    assert problem.text.startswith(f"{name}: ") and says in problem.text, problem.text
+    return problem
 
 
-@pytest.mark.parametrize("cls, name, value, scene, says", FLAG_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
-def test_each_problem_of_a_flag_config_names_its_field(cls, name, value, scene, says):
+def _run_flag_case(cls, name, value, scene, says) -> Problem:
     from_dict(cls, scene)
     _follow(to_dict(cls()), name)
     with pytest.raises(ConfigError) as e:
         from_dict(cls, {**scene, name: value})
-    text = _only_problem(e.value)
-    assert text.startswith(f"{name}: ") and says in text, text
+    problem = _only_problem(e.value)
+    assert problem.text.startswith(f"{name}: ") and says in problem.text, problem.text
+    return problem
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_each_problem_names_its_yaml_path(case: Case, tmp_path):
+    _run_case(case, tmp_path)
+
+
+@pytest.mark.parametrize("cls, kwargs, name, says", DIRECT_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_each_problem_of_a_config_built_in_code_names_its_field(cls, kwargs, name, says):
+    _run_direct_case(cls, kwargs, name, says)
+
+
+@pytest.mark.parametrize("cls, name, value, scene, says", FLAG_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_each_problem_of_a_flag_config_names_its_field(cls, name, value, scene, says):
+    _run_flag_case(cls, name, value, scene, says)
 
 
 def _check_sites() -> dict[tuple[str, int], str]:
@@ -340,15 +354,16 @@ def _check_sites() -> dict[tuple[str, int], str]:
     return sites
 
 
-def test_every_check_has_a_case():
-    """Runs after the cases above (file order): each check site was reached by one of them."""
+def test_every_check_has_a_case(tmp_path):
+    """Each check site is reached by one of the cases (which also pass, as above)."""
     sites = _check_sites()
     all_sites = set(sites.values())
     assert len(all_sites) > 140  # the enumeration found the checks
-    if len(REACHED) < len(CASES) // 2:
-        pytest.skip("run the whole module: the cases above record the sites they reach")
-    reached = {sites[s] for s in REACHED if s in sites}
-    assert not {s for s in REACHED if s not in sites}, "a case's problem came from outside the enumerated checks"
+    found = [_run_case(case, tmp_path) for case in CASES]
+    found += [_run_direct_case(*case) for case in DIRECT_CASES] + [_run_flag_case(*case) for case in FLAG_CASES]
+    outside = {p.site for p in found if p.site not in sites}
+    assert not outside, f"problems from outside the enumerated checks: {outside}"
+    reached = {sites[p.site] for p in found}
     missing = sorted(all_sites - reached)
     assert not missing, f"checks without a case in tests/test_config_paths.py: {missing}"
 

@@ -57,7 +57,8 @@ class DemoConfig:
             if w not in WORDINGS:
                 problems.add(f"wordings: unknown wording {w!r} (known: {', '.join(WORDINGS)})")
         if "caption" not in self.wordings:
-            problems.add("wordings: must include 'caption' (the held-out grid and the distribution metric use it); add it")
+            problems.add("wordings: must include 'caption' (the held-out grid and the distribution metric use it); "
+                         "add it")
         problems.raise_if_any()
 
 

@@ -553,7 +553,8 @@ SHA256_BYTES_PER_S = 1.7e9
 def checkpoint_bytes(cfg: MemoryConfig, parameters: int) -> int:
     """Bytes of one training checkpoint of ``parameters`` trained U-Net parameters (a LoRA run's
     adapters only): fp32 model, EMA (unless off) and the optimizer state (AdamW: two fp32 moments;
-    8-bit AdamW: two 1-byte moments), all ranks together. FSDP2 checkpoints add the consolidated fp32 model and EMA beside the DCP shards."""
+    8-bit AdamW: two 1-byte moments), all ranks together. FSDP2 checkpoints add the consolidated
+    fp32 model and EMA beside the DCP shards."""
     ema = 0 if cfg.ema == "off" else 4
     opt = 8 if cfg.optimizer == "adamw" else 2
     per_param = 4 + ema + opt

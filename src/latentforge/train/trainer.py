@@ -95,7 +95,8 @@ class CheckpointConfig:
     def validate(self) -> None:
         problems = Problems()
         if self.every_steps < 1:
-            problems.add(f"every_steps: must be >= 1, got {self.every_steps}; a checkpoint every N steps (and at the end)")
+            problems.add(f"every_steps: must be >= 1, got {self.every_steps}; a checkpoint every N steps "
+                         "(and at the end)")
         if self.keep_last < 1:
             problems.add(f"keep_last: must be >= 1, got {self.keep_last}; the newest complete checkpoints kept")
         if self.keep_every < 0:
