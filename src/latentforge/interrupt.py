@@ -81,9 +81,11 @@ class InterruptConfig:
                 problems.add(f"extra_signal: {self.extra_signal!r} is not a signal that can be caught here "
                              "(e.g. SIGUSR1, SIGUSR2, SIGHUP; empty = none)")
         if not self.grace_seconds >= 0:
-            problems.add(f"grace_seconds: must be >= 0, got {self.grace_seconds}")
+            problems.add(f"grace_seconds: must be >= 0, got {self.grace_seconds}; "
+                         "the seconds a stop signal leaves to save")
         if self.check_every_steps < 1:
-            problems.add(f"check_every_steps: must be >= 1, got {self.check_every_steps}")
+            problems.add(f"check_every_steps: must be >= 1, got {self.check_every_steps}; "
+                         "1 = check for a stop signal every step")
         problems.raise_if_any()
 
     def signals(self) -> list[int]:

@@ -139,7 +139,7 @@ class EncodeConfig:
             problems.add(f"max_length: must be at least 1 (or null for the tokenizer's own), "
                          f"got {self.max_length}")
         if self.batch_size < 1:
-            problems.add(f"batch_size: must be at least 1, got {self.batch_size}")
+            problems.add(f"batch_size: must be at least 1, got {self.batch_size}; images per encoder call")
         problems.nested("interrupt", self.interrupt)
         problems.raise_if_any()
 

@@ -71,7 +71,7 @@ class StreamConfig:
         if not self.path:
             problems.add("path: required; a dataset directory (local or s3://) with index.json")
         if not self.weight > 0:
-            problems.add(f"weight: must be > 0, got {self.weight}")
+            problems.add(f"weight: must be > 0, got {self.weight}; the dataset's share in the mix (1 = equal)")
         problems.raise_if_any()
 
 
@@ -107,18 +107,19 @@ class LoaderConfig:
         for i, ds in enumerate(self.datasets):
             problems.nested(f"datasets[{i}]", ds)
         if not 0.0 <= self.caption_dropout < 1.0:
-            problems.add(f"caption_dropout: must be in [0, 1), got {self.caption_dropout}")
+            problems.add(f"caption_dropout: must be in [0, 1), got {self.caption_dropout}; 0.1 is usual, 0 = off")
         if self.shuffle_window_shards < 1:
-            problems.add(f"shuffle_window_shards: must be >= 1, got {self.shuffle_window_shards}")
+            problems.add(f"shuffle_window_shards: must be >= 1, got {self.shuffle_window_shards}; "
+                         "shards shuffled together")
         if self.mix_block < max(1, len(self.datasets)):
             problems.add(f"mix_block: {self.mix_block} is less than the number of datasets "
                          f"({len(self.datasets)}); raise it")
         if self.num_workers < 0:
-            problems.add(f"num_workers: must be >= 0, got {self.num_workers}")
+            problems.add(f"num_workers: must be >= 0, got {self.num_workers}; 0 = read in the training process")
         if self.prefetch_factor < 1:
-            problems.add(f"prefetch_factor: must be >= 1, got {self.prefetch_factor}")
+            problems.add(f"prefetch_factor: must be >= 1, got {self.prefetch_factor}; batches read ahead per worker")
         if not self.cache_limit_gb > 0:
-            problems.add(f"cache_limit_gb: must be > 0, got {self.cache_limit_gb}")
+            problems.add(f"cache_limit_gb: must be > 0, got {self.cache_limit_gb}; the shard cache's size in GB")
         problems.raise_if_any()
 
     def resolved_cache_dir(self) -> Path:

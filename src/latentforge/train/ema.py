@@ -47,7 +47,7 @@ class EMAConfig:
         if not 0 < self.decay < 1:
             problems.add(f"decay: must be in (0, 1), got {self.decay}")
         if self.start_step < 0:
-            problems.add(f"start_step: must be >= 0, got {self.start_step}")
+            problems.add(f"start_step: must be >= 0, got {self.start_step}; 0 = average from the first step")
         problems.raise_if_any()
 
 

@@ -75,11 +75,11 @@ class LoRAConfig:
         if self.rank < 1:
             problems.add(f"rank: must be >= 1, got {self.rank}; 4 to 64 is usual")
         if self.alpha < 0:
-            problems.add(f"alpha: must be >= 0 (0 = rank), got {self.alpha}")
+            problems.add(f"alpha: must be >= 0, got {self.alpha}; 0 = rank (adapter scale 1)")
         if not self.target_modules:
             problems.add("target_modules: empty; name the modules that get adapters, e.g. [to_q, to_k, to_v, to_out.0]")
         if not 0 <= self.dropout < 1:
-            problems.add(f"dropout: must be in [0, 1), got {self.dropout}")
+            problems.add(f"dropout: must be in [0, 1), got {self.dropout}; 0 = none")
         problems.raise_if_any()
 
     def peft_config(self) -> Any:

@@ -81,13 +81,14 @@ class VAETrainConfig:
         if self.max_seconds < 0:
             problems.add(f"max_seconds: must be >= 0, got {self.max_seconds}; 0 = no time limit")
         if self.steps == 0 and self.max_seconds == 0:
-            problems.add("steps: set steps or max_seconds")
+            problems.add("steps: 0 and max_seconds 0 would never stop; set steps or max_seconds")
         if self.batch_size < 1:
-            problems.add(f"batch_size: must be >= 1, got {self.batch_size}")
+            problems.add(f"batch_size: must be >= 1, got {self.batch_size}; images per step")
         if self.lr <= 0:
             problems.add(f"lr: must be > 0, got {self.lr}; e.g. 1e-4")
         if self.checkpoint_every_steps < 1:
-            problems.add(f"checkpoint_every_steps: must be >= 1, got {self.checkpoint_every_steps}")
+            problems.add(f"checkpoint_every_steps: must be >= 1, got {self.checkpoint_every_steps}; "
+                         "steps between checkpoints")
         problems.nested("interrupt", self.interrupt)
         problems.raise_if_any()
 
