@@ -525,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = ns.fn(ns, overrides)  # EXIT_INTERRUPTED (75) after a stop with a checkpoint, else None / 0
     except UserError as e:
-        print(f"latentforge: error: {e}", file=sys.stderr)
+        # A configuration with several problems lists them all, one line each.
+        for line in str(e).splitlines() or [""]:
+            print(f"latentforge: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("latentforge: interrupted (rerun the same command to resume)", file=sys.stderr)

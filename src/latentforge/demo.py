@@ -24,7 +24,7 @@ import torch
 from latentforge import checkpoint as ckpt
 from latentforge.config import save_config
 from latentforge.data.loader import StreamConfig
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import Problems, UserError
 from latentforge.evaluate.alignment import WORDINGS
 from latentforge.evaluate.judge import JudgeConfig
 from latentforge.models.text import MINILM_PACKAGE, builtin_text_encoder  # noqa: F401  (re-exported)
@@ -49,13 +49,17 @@ class DemoConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig, metadata={"help": "the judge classifier"})
 
     def validate(self) -> None:
-        if self.prompts_per_combo < 1 or self.batch_size < 1:
-            raise ConfigError("prompts_per_combo: prompts_per_combo and batch_size must be at least 1")
+        problems = Problems()
+        for name in ("prompts_per_combo", "batch_size"):
+            if getattr(self, name) < 1:
+                problems.add(f"{name}: must be at least 1, got {getattr(self, name)}")
         for w in self.wordings:
             if w not in WORDINGS:
-                raise ConfigError(f"wordings: unknown wording {w!r} (known: {', '.join(WORDINGS)})")
+                problems.add(f"wordings: unknown wording {w!r} (known: {', '.join(WORDINGS)})")
         if "caption" not in self.wordings:
-            raise ConfigError("wordings: must include 'caption' (the held-out grid and the distribution metric use it)")
+            problems.add("wordings: must include 'caption' (the held-out grid and the distribution metric use it); "
+                         "add it")
+        problems.raise_if_any()
 
 
 class _Stages:

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from latentforge.distributed.env import World
-from latentforge.errors import ConfigError
+from latentforge.errors import ConfigError, Problems
 
 __all__ = ["ParallelConfig", "parallelize", "resolve_strategy", "unet_blocks", "needs_single_rank_group"]
 
@@ -87,21 +87,27 @@ class ParallelConfig:
                 "without autocast (fp32 training) it changes nothing"})
 
     def validate(self) -> None:
+        # Field names relative to this section (train.parallel); all problems at once.
+        problems = Problems()
         if self.strategy != "fsdp" and self.mixed_precision != "fp32":
-            raise ConfigError(f"parallel.mixed_precision: {self.mixed_precision} is FSDP2's parameter dtype and needs "
-                              f"parallel.strategy=fsdp (got {self.strategy}); for ddp or none set "
-                              "train.precision=bf16 (autocast) instead")
+            problems.add(f"mixed_precision: {self.mixed_precision} is FSDP2's parameter dtype and needs "
+                         f"parallel.strategy=fsdp (got {self.strategy}); for ddp or none remove it and set "
+                         "train.precision=bf16 (autocast) instead")
         if self.cpu_offload and self.strategy != "fsdp":
-            raise ConfigError(f"parallel.cpu_offload: is FSDP2's CPU offload and needs parallel.strategy=fsdp "
-                              f"(got {self.strategy}); it also runs on a single GPU")
+            problems.add(f"cpu_offload: is FSDP2's CPU offload and needs parallel.strategy=fsdp "
+                         f"(got {self.strategy}); set strategy fsdp (it also runs on a single GPU) or remove it")
         if self.strategy != "fsdp" and self.reshard_after_forward:
-            raise ConfigError(f"parallel.reshard_after_forward: only applies to parallel.strategy=fsdp "
-                              f"(got {self.strategy}): remove it or use fsdp")
+            problems.add(f"reshard_after_forward: only applies to parallel.strategy=fsdp "
+                         f"(got {self.strategy}); remove it or use fsdp")
+        problems.raise_if_any()
 
 
 def resolve_strategy(cfg: ParallelConfig, world_size: int) -> Literal["none", "ddp", "fsdp"]:
     """The strategy actually used on ``world_size`` ranks (see ``ParallelConfig.strategy``)."""
-    cfg.validate()
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise e.prefixed("train.parallel") from None
     if world_size == 1 and needs_single_rank_group(cfg):
         return "fsdp"  # offloading needs FSDP2 even without peers to shard with
     if world_size == 1:

@@ -27,7 +27,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from latentforge.diffusion.schedule import NoiseScheduleConfig
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import ConfigError, Problems, UserError
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +71,16 @@ class LoRAConfig:
     dropout: float = field(default=0.0, metadata={"help": "dropout on the adapter input"})
 
     def validate(self) -> None:
+        problems = Problems()
         if self.rank < 1:
-            raise ConfigError(f"rank: must be >= 1, got {self.rank}")
+            problems.add(f"rank: must be >= 1, got {self.rank}; 4 to 64 is usual")
         if self.alpha < 0:
-            raise ConfigError(f"alpha: must be >= 0 (0 = rank), got {self.alpha}")
+            problems.add(f"alpha: must be >= 0, got {self.alpha}; 0 = rank (adapter scale 1)")
         if not self.target_modules:
-            raise ConfigError("target_modules: empty: name the modules that get adapters, e.g. [to_q, to_v]")
+            problems.add("target_modules: empty; name the modules that get adapters, e.g. [to_q, to_k, to_v, to_out.0]")
         if not 0 <= self.dropout < 1:
-            raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
+            problems.add(f"dropout: must be in [0, 1), got {self.dropout}; 0 = none")
+        problems.raise_if_any()
 
     def peft_config(self) -> Any:
         from peft import LoraConfig

@@ -161,9 +161,9 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
         raise ConfigError(f"train.sampling.every_steps: {tcfg.sampling.every_steps} is not a multiple of "
                           f"train.checkpoint.every_steps={tcfg.checkpoint.every_steps}: under FSDP the grids are "
                           "drawn from the consolidated weights of a checkpoint")
-    if strategy == "fsdp" and tcfg.lora is not None:
-        raise ConfigError("train.parallel.strategy: fsdp does not shard LoRA runs (their trained weights are small): "
-                          "use ddp")
+    if tcfg.lora is not None and not tcfg.init_from:  # FSDP2 and LoRA: refused by TrainConfig.validate
+        raise ConfigError("train.lora: LoRA adapts existing weights; set train.init_from to a diffusers pipeline "
+                          "directory (latentforge finetune --from DIR)")
     base = None
     if tcfg.init_from:
         base = finetune.open_base(tcfg.init_from)
