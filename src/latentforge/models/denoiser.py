@@ -204,6 +204,9 @@ class DiTDenoiser(Denoiser):
                          out_channels=cfg.out_channels or latent_channels,
                          sample_size=cfg.sample_size or latent_size,
                          caption_channels=cfg.caption_channels or text_dim)
+        patch_size = dit_diffusers_config(filled, validate=False)["patch_size"]
+        if patch_size >= 1:  # the data's latent side first: the sample size may only be its copy
+            DiTDenoiser(filled).check_latent_size(latent_size, "latent side", validate=False)
         try:
             resolved = dit_diffusers_config(filled)
         except ConfigError as e:
@@ -217,13 +220,12 @@ class DiTDenoiser(Denoiser):
         if resolved["caption_channels"] != text_dim:
             raise ConfigError(f"train.dit.caption_channels: {resolved['caption_channels']} but the text encoder's "
                               f"hidden size is {text_dim}")
-        out = DiTDenoiser(filled)
-        out.check_latent_size(latent_size, "latent side")
-        return out
+        return DiTDenoiser(filled)
 
-    def check_latent_size(self, latent_size: int, where: str) -> None:
+    def check_latent_size(self, latent_size: int, where: str, validate: bool = True) -> None:
+        config = self.diffusers_config() if validate else dit_diffusers_config(self.cfg, validate=False)
         try:
-            check_patch_size(int(self.diffusers_config()["patch_size"]), latent_size, where)
+            check_patch_size(int(config["patch_size"]), latent_size, where)
         except ConfigError as e:
             raise ConfigError(f"train.dit.{e}") from None
 
