@@ -260,9 +260,11 @@ def denoiser_from_config(config: dict[str, Any]) -> Denoiser:
 
 
 def denoiser_of(model: nn.Module) -> Denoiser:
-    """The backbone of a built model (the plain one, or a DDP wrapper of it)."""
+    """The backbone of a built model (the plain one, or a DDP wrapper of it). Any other module is
+    taken to be called as a U-Net is (``model(x, t, encoder_hidden_states=...)``), as the trainer
+    always called it."""
     plain = getattr(model, "module", model)
     for cls in BACKBONES.values():
         if isinstance(plain, cls.model_class()):
             return cls({"_class_name": cls.model_class_name, **dict(plain.config)})
-    raise TypeError(f"{type(plain).__name__}: not a denoiser latentforge trains")
+    return UNetDenoiser(dict(getattr(plain, "config", None) or {}))
