@@ -291,3 +291,52 @@ def test_exported_pixart_pipeline_loads_offline_and_reproduces_sample(run, expor
     c = load_components(run)
     our_latents = generate_latents(c.model, c.text_model, c.tokenizer, c.noise, c.max_length, PROMPTS, 7, STEPS, CFG)
     torch.testing.assert_close(theirs("latent"), our_latents, rtol=1e-5, atol=1e-5)
+
+
+def test_fine_tuning_an_exported_transformer_into_a_unet_is_one_line(exported, latents, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"train": {"phases": [{"datasets": [{"path": str(latents["latents"])}],
+                                                            "steps": 1}], "device": "cpu", "loggers": []}}))
+    code = main(["finetune", str(tmp_path / "run"), "--from", str(exported), "--recipe", str(recipe), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "a PixArtAlphaPipeline with a PixArtTransformer2DModel: init_from fine-tunes the U-Net" in err, err
+
+
+def test_cli_patch_size_that_does_not_divide_the_latents_is_one_line(latents, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"train": {"model": "dit", "phases": [
+        {"datasets": [{"path": str(latents["latents"])}], "steps": 1}], "device": "cpu", "loggers": []},
+        "loader": {"cache_dir": str(latents["cache"])}}))
+    code = main(["train", str(tmp_path / "run"), "--recipe", str(recipe), "--quiet", "train.dit.patch_size=3"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    # the tiny preset's default sample size is the latents' 16: the recipe is refused as it loads
+    assert err.startswith("latentforge: error: train.dit.patch_size: 3 does not divide the sample_size 16"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_bench_and_auto_micro_batch_take_the_transformer(tmp_path):
+    """The demo recipe with train.model=dit: FLOPs per image of the planner are the transformer's
+    (counted on meta), bench times its real training step, and micro_batch_size auto sizes it."""
+    from latentforge.plan.bench import run_bench
+    from latentforge.plan.memory import resolve_auto_micro_batch
+    from latentforge.plan.shapes import recipe_phases
+    from latentforge.recipe import load_recipe
+
+    recipe = load_recipe("tiny-cpu", ["train.model=dit", "train.global_batch_size=32", "train.micro_batch_size=4"])
+    den = denoiser_for(recipe.train).with_data(4, 16, 384)
+    (phase,) = recipe_phases(recipe)
+    assert phase.flops_per_image == 3 * den.forward_flops(16, recipe.encode.max_length)
+    result = run_bench(recipe, steps=1, warmup=0, synthetic=True, progress=False)
+    (row,) = result["phases"]
+    assert row["flops_per_image"] == phase.flops_per_image and row["step_seconds"]["median"] > 0
+    auto = replace_micro(recipe.train)
+    sized = resolve_auto_micro_batch(auto, [(16, 24)], torch.device("cpu"), 1, budget=(64 << 20, False, "64 MiB"))
+    assert 1 <= sized.phases[0].micro_batch_size <= 32 and 32 % sized.phases[0].micro_batch_size == 0
+
+
+def replace_micro(train_cfg):
+    from dataclasses import replace
+
+    return replace(train_cfg, micro_batch_size="auto")
