@@ -340,3 +340,28 @@ def replace_micro(train_cfg):
     from dataclasses import replace
 
     return replace(train_cfg, micro_batch_size="auto")
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_per_transformer_block_with_checkpointing_match_one_process(tmp_path, one_thread):
+    """The transformer on 2 gloo ranks (DDP; FSDP2 sharded per transformer block with activation
+    checkpointing) against one process: the same losses, gradient norms and final weights, as
+    tests/test_distributed.py checks for the U-Net."""
+    from latent_fixtures import build_latent_data
+    from latentforge.distributed.dcp import is_sharded_checkpoint
+    from test_distributed import assert_close_runs, recipe, run_ranks, train_cmd, write_recipe
+
+    data = build_latent_data(tmp_path / "data")
+    runs = {}
+    for strategy, parallel in (("none", {}), ("ddp", {}), ("fsdp", {"activation_checkpointing": True})):
+        cfg = recipe(data, strategy, **parallel)
+        cfg["train"]["model"] = "dit"
+        runs[strategy] = tmp_path / f"run-{strategy}"
+        if strategy == "none":
+            train(from_dict(RunConfig, {"train": cfg["train"], "data": cfg["loader"]}), runs[strategy], progress=False)
+        else:
+            run_ranks(train_cmd(runs[strategy], write_recipe(tmp_path / f"{strategy}.yaml", cfg)))
+    assert yaml.safe_load((runs["fsdp"] / "train_config.yaml").read_text())["train"]["model"] == "dit"
+    assert_close_runs(runs["none"], runs["ddp"])
+    assert_close_runs(runs["none"], runs["fsdp"])
+    assert is_sharded_checkpoint(ckpt.find_latest(runs["fsdp"]))

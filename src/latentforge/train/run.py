@@ -26,7 +26,7 @@ from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
 from latentforge.evaluate.eval import EvalConfig
 from latentforge.interrupt import StopOnSignal
-from latentforge.models.denoiser import denoiser_for, denoiser_from_config
+from latentforge.models.denoiser import denoiser_for, denoiser_from_config, denoiser_of
 from latentforge.models.unet import UNetConfig
 from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import parallelize, resolve_strategy
@@ -214,7 +214,8 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
 
     from latentforge.inference import training_sampler
 
-    model_config = {"_class_name": type(model).__name__, **dict(model.config)}
+    # The diffusers class, not type(model): FSDP2 has swapped in a subclass (FSDP<class>) by now.
+    model_config = {**dict(model.config), "_class_name": denoiser_of(model).model_class_name}
     sample_fn = training_sampler(tcfg, meta, run) if tcfg.sampling.prompts and world.is_main else None
     if sample_fn is not None and strategy == "fsdp":
         sample_fn = _from_consolidated(sample_fn, model_config, device)
