@@ -108,3 +108,15 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def pipeline_call_kwargs(export_dir: str | Path) -> dict:
+    """The arguments a pipeline exported here must be called with to reproduce ``latentforge sample``
+    (``call`` in ``latentforge_export.json``; none for a Stable Diffusion pipeline or another directory)."""
+    record = Path(export_dir) / "latentforge_export.json"
+    if not record.is_file():
+        return {}
+    try:
+        return dict(json.loads(record.read_text()).get("call") or {})
+    except (ValueError, AttributeError, TypeError):
+        return {}
