@@ -24,13 +24,14 @@ from latentforge.cli import main
 from latentforge.config import apply_overrides, from_dict, load_yaml, to_dict
 from latentforge.distributed.ray_launch import RayConfig
 from latentforge.errors import ConfigError, Problem
+from latentforge.models.dit import DiTConfig
 from latentforge.models.unet import UNetConfig
 from latentforge.plan.memory import MemoryConfig
 from latentforge.recipe import Recipe, load_recipe, resolve_recipe_path
 
 SRC = Path(latentforge.__file__).resolve().parent
 # Module-level functions that validate() methods call and that raise ConfigError themselves.
-HELPERS = {"_check_names", "parse_combo", "lora_parallel_problems"}
+HELPERS = {"_check_names", "parse_combo", "lora_parallel_problems", "check_patch_size"}
 TINY, LORA = "tiny-cpu", "finetune-lora-8gb"
 FSDP = ["train.parallel.strategy=fsdp"]
 FLOW = ("train.noise.prediction_type=flow_matching", "train.min_snr_gamma=0")
@@ -201,6 +202,9 @@ CASES = [
     c("train.unet.block_out_channels", "[32, 64, 120]", "not a positive multiple of norm_num_groups 16"),
     c("train.unet.attention_head_dim", "[1, 2, 3]", "3 heads do not divide 128 channels"),
     c("train.unet.transformer_layers_per_block", "0", "must be positive"),
+    c("train.dit.num_layers", "0", "must be a positive integer", "train.model=dit"),
+    c("train.dit.patch_size", "3", "does not divide the sample_size 16", "train.model=dit"),
+    c("train.model", "dit", "cannot fine-tune", "train.init_from=/pipelines/sd2"),
     # demo
     c("demo.prompts_per_combo", "0", "must be at least 1"),
     c("demo.batch_size", "0", "must be at least 1"),
@@ -260,6 +264,7 @@ FLAG_CASES = [
 # config built in code: (config, constructor arguments, field, message fragment).
 DIRECT_CASES = [
     (UNetConfig, {"preset": "nope"}, "preset", "unknown 'nope'"),
+    (DiTConfig, {"preset": "nope"}, "preset", "unknown 'nope'"),
 ]
 
 

@@ -222,6 +222,9 @@ def _evaluate(recipe: Any, out: Path, judge: Any) -> dict[str, Any]:
     check_new_wordings()
     pipe = DiffusionPipeline.from_pretrained(str(out / "export"), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
+    from latentforge.export.diffusers_pipeline import pipeline_call_kwargs
+
+    call = pipeline_call_kwargs(out / "export")  # a transformer's PixArtAlphaPipeline settings
     rng = np.random.default_rng(d.seed)
     train_combos = recipe.synth.train_combos()
     seen = [train_combos[i] for i in rng.choice(len(train_combos), size=min(d.num_seen_combos, len(train_combos)),
@@ -241,7 +244,7 @@ def _evaluate(recipe: Any, out: Path, judge: Any) -> dict[str, Any]:
                 g = torch.Generator("cpu").manual_seed(d.seed + 1000 * w_i + i)
                 images += pipe([p.text for p in prompts[i:i + d.batch_size]], num_inference_steps=d.num_steps,
                                guidance_scale=d.guidance_scale, height=size, width=size, generator=g,
-                               output_type="pil").images
+                               output_type="pil", **call).images
             found = verdicts(judge, images, size, d.judge.floor)
             per["wordings"][wording] = score(prompts, found)
             all_prompts += prompts
@@ -282,7 +285,7 @@ def _export_and_check(recipe: Any, out: Path, comps: Any) -> dict[str, Any]:
     images with ours."""
     from diffusers import DiffusionPipeline
 
-    from latentforge.export.diffusers_pipeline import export_pipeline
+    from latentforge.export.diffusers_pipeline import export_pipeline, pipeline_call_kwargs
     from latentforge.inference import generate
 
     export_dir = out / "export"
@@ -293,7 +296,8 @@ def _export_and_check(recipe: Any, out: Path, comps: Any) -> dict[str, Any]:
     prompts = ["a small red star in the top left", "a large blue square in the center"]
     res = recipe.ingest.image.resolution
     theirs = pipe(prompts, num_inference_steps=10, guidance_scale=4.0, height=res, width=res,
-                  generator=torch.Generator("cpu").manual_seed(7), output_type="np").images
+                  generator=torch.Generator("cpu").manual_seed(7), output_type="np",
+                  **pipeline_call_kwargs(export_dir)).images
     ours = generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length, prompts,
                     seed=7, num_steps=10, guidance_scale=4.0, sampler=recipe.demo.sampler)
     ours_np = np.stack([np.asarray(im) for im in ours]).astype(np.float32) / 255

@@ -1,9 +1,11 @@
-"""Apply data parallelism and the memory/speed options to a built U-Net, apart from the model code.
+"""Apply data parallelism and the memory/speed options to a built denoiser, apart from the model code.
 
 The order follows torchtitan's ``parallelize``: attention processor, low-precision norms,
 activation checkpointing per block, ``torch.compile`` per block, then DDP around the whole model
-or FSDP2 ``fully_shard`` per U-Net block (``down_blocks[i]``, ``mid_block``, ``up_blocks[i]``)
-and finally the root (conv_in, time embedding, conv_out and the output norm).
+or FSDP2 ``fully_shard`` per block (the denoiser's ``blocks``: for the U-Net ``down_blocks[i]``,
+``mid_block``, ``up_blocks[i]``; for the transformer each of ``transformer_blocks``) and finally the
+root (the U-Net's conv_in, time embedding, conv_out and output norm; the transformer's patch
+embedding, adaLN-single, caption projection and output layer).
 
 None of these wrappers renames a parameter: checkpointing and compilation replace the block's
 ``forward`` attribute instead of wrapping the module (no ``_checkpoint_wrapped_module.`` or
@@ -208,7 +210,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     if cfg.low_precision_norms:
         log.info("low-precision norms: %d GroupNorm/LayerNorm layers run in the autocast dtype",
                  use_low_precision_norms(model))
-    blocks = unet_blocks(model)
+    from latentforge.models.denoiser import denoiser_of
+
+    blocks = denoiser_of(model).blocks(model)
     for block in blocks:
         if cfg.activation_checkpointing:
             block.forward = _checkpointed(block.forward)
@@ -239,7 +243,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp,
                     offload_policy=offload)
-    # The root's own parameters are small (conv_in/out, time embedding); its gathered parameters are
+    # The root's own parameters are small (input/output layers, time embedding); its gathered parameters are
     # needed right at the start of the backward pass, so it keeps them (as torchtitan does).
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
 

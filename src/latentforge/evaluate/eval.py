@@ -145,11 +145,14 @@ def load_generator(cfg: EvalConfig, device: torch.device) -> tuple[Callable[[lis
             raise UserError(f"{cfg.checkpoint}: cannot load the diffusers pipeline ({first})") from None
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
+        from latentforge.export.diffusers_pipeline import pipeline_call_kwargs
+
+        call = pipeline_call_kwargs(cfg.checkpoint)  # an exported transformer's PixArtAlphaPipeline settings
 
         def run(prompts: list[str], seed: int, guidance: float) -> list[Image.Image]:
             gen = torch.Generator(device=device).manual_seed(seed)
             return pipe(list(prompts), num_inference_steps=cfg.num_steps, guidance_scale=guidance, generator=gen,
-                        output_type="pil").images
+                        output_type="pil", **call).images
 
         return run, {"kind": "diffusers", "path": str(Path(cfg.checkpoint).resolve()),
                      "scheduler": type(pipe.scheduler).__name__}

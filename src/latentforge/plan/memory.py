@@ -1,4 +1,4 @@
-"""Peak device memory of a U-Net training step, and the largest micro batch that fits.
+"""Peak device memory of a denoiser (U-Net or transformer) training step, and the largest micro batch that fits.
 
 The peak is the sum of what lives across a step once gradients are being accumulated (the
 second micro batch of an accumulating step holds all of it at once)::
@@ -71,7 +71,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from latentforge.errors import ConfigError, Problems
-from latentforge.models.unet import UNetConfig, unet_diffusers_config
+from latentforge.models.dit import DiTConfig
+from latentforge.models.unet import UNetConfig
 
 GIB = 1 << 30
 FRAGMENTATION = 0.10  # caching-allocator overhead on CUDA, fraction of the modelled bytes
@@ -82,8 +83,9 @@ CUDA_CONTEXT_BYTES = 1 * GIB  # context + library workspaces + NCCL, outside max
 class MemoryConfig:
     """One training set-up whose peak device memory is predicted."""
 
-    unet: UNetConfig | dict[str, Any] = field(default_factory=lambda: UNetConfig(preset="sd2-base"), metadata={
-        "help": "the U-Net: a preset config, or a pipeline's unet/config.json dict"})
+    unet: UNetConfig | DiTConfig | dict[str, Any] = field(default_factory=lambda: UNetConfig(preset="sd2-base"),
+                                                          metadata={
+        "help": "the denoiser: a U-Net or transformer preset config, or a pipeline's config.json dict"})
     latent_size: int = field(default=64, metadata={"help": "latent side (image side / VAE factor)"})
     text_len: int = field(default=77, metadata={"help": "caption tokens"})
     micro_batch_size: int = field(default=1, metadata={"help": "samples per rank per forward pass"})
@@ -194,16 +196,16 @@ def _add_lora(model: torch.nn.Module, lora_json: str) -> None:
 
 
 @lru_cache(maxsize=64)
-def _activation_profile(unet_json: str, latent_size: int, text_len: int, precision: str,
+def _activation_profile(model_json: str, latent_size: int, text_len: int, precision: str,
                         lora_json: str = "") -> dict[str, int]:
-    """Saved-activation bytes of one image through the U-Net (see the module docstring);
+    """Saved-activation bytes of one image through the denoiser (see the module docstring);
     ``lora_json``: the frozen base and adapters of a LoRA run (:func:`_add_lora`), "" = none."""
-    unet_kwargs = json.loads(unet_json)
-    from diffusers import UNet2DConditionModel
+    from latentforge.models.denoiser import denoiser_from_config
 
+    den = denoiser_from_config(json.loads(model_json))
     param_dtype = torch.bfloat16 if precision == "bf16-weights" else torch.float32
     with torch.device("meta"):
-        model = UNet2DConditionModel(**unet_kwargs)
+        model = den.build()
         if param_dtype != torch.float32:
             torch.nn.Module.to(model, param_dtype)  # diffusers' own .to warns about fp32 modules it has none of
         if lora_json:
@@ -218,7 +220,7 @@ def _activation_profile(unet_json: str, latent_size: int, text_len: int, precisi
                 saved[key] = t.untyped_storage().nbytes()
             return t
 
-        blocks = [*model.down_blocks, model.mid_block, *model.up_blocks]
+        blocks = den.blocks(model)
         block_keys: list[list[int]] = []
         inputs: dict[int, int] = {}
         marks: list[int] = []
@@ -235,10 +237,11 @@ def _activation_profile(unet_json: str, latent_size: int, text_len: int, precisi
 
         handles = [h for b in blocks for h in (b.register_forward_pre_hook(pre, with_kwargs=True),
                                                b.register_forward_hook(post, with_kwargs=True))]
-        x = torch.empty(1, unet_kwargs["in_channels"], latent_size, latent_size)
-        hidden = torch.empty(1, text_len, unet_kwargs["cross_attention_dim"])
+        x = torch.empty(1, model.config.in_channels, latent_size, latent_size)
+        hidden = torch.empty(1, text_len, den.text_dim)
+        mask = torch.ones(1, text_len) if den.uses_text_mask else None
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
-            out = model(x.to(param_dtype), torch.tensor([1]), encoder_hidden_states=hidden.to(param_dtype)).sample
+            out = den.forward(model, x.to(param_dtype), torch.tensor([1]), hidden.to(param_dtype), mask)
         for h in handles:
             h.remove()
         copies = {c.untyped_storage()._cdata: c.untyped_storage().nbytes() for c in mode.weight_copies.values()}
@@ -251,22 +254,24 @@ def _activation_profile(unet_json: str, latent_size: int, text_len: int, precisi
             "weight_copies": sum(copies.values())}
 
 
-def unet_kwargs(unet: UNetConfig | dict[str, Any]) -> dict[str, Any]:
-    """UNet2DConditionModel's arguments: from a preset config, or a pipeline's ``unet/config.json``."""
-    if isinstance(unet, dict):
-        import inspect
+def unet_kwargs(unet: UNetConfig | DiTConfig | dict[str, Any]) -> dict[str, Any]:
+    """The denoiser's constructor arguments: from a preset config, or a pipeline's ``config.json``."""
+    from latentforge.plan.flops import as_denoiser
 
-        from diffusers import UNet2DConditionModel
-
-        accepted = inspect.signature(UNet2DConditionModel.__init__).parameters
-        return {k: v for k, v in unet.items() if k in accepted}
-    return unet_diffusers_config(unet)
+    return as_denoiser(unet).diffusers_config()
 
 
-def activation_profile(unet: UNetConfig | dict[str, Any], latent_size: int, text_len: int,
+def _model_json(model: UNetConfig | DiTConfig | dict[str, Any]) -> str:
+    """The denoiser's class and constructor arguments as one JSON string (the caches' key)."""
+    from latentforge.plan.flops import as_denoiser
+
+    den = as_denoiser(model)
+    return json.dumps({"_class_name": den.model_class_name, **den.diffusers_config()}, sort_keys=True)
+
+
+def activation_profile(unet: UNetConfig | DiTConfig | dict[str, Any], latent_size: int, text_len: int,
                        precision: str, lora_json: str = "") -> dict[str, int]:
-    return _activation_profile(json.dumps(unet_kwargs(unet), sort_keys=True), latent_size, text_len,
-                               precision, lora_json)
+    return _activation_profile(_model_json(unet), latent_size, text_len, precision, lora_json)
 
 
 def _lora_json(cfg: MemoryConfig) -> str:
@@ -277,12 +282,12 @@ def _lora_json(cfg: MemoryConfig) -> str:
 
 
 @lru_cache(maxsize=64)
-def _lora_parameter_count(unet_json: str, lora_json: str) -> int:
-    """Parameters of the LoRA adapters of a U-Net (what a LoRA run trains), on the meta device."""
-    from diffusers import UNet2DConditionModel
+def _lora_parameter_count(model_json: str, lora_json: str) -> int:
+    """Parameters of the LoRA adapters of a denoiser (what a LoRA run trains), on the meta device."""
+    from latentforge.models.denoiser import denoiser_from_config
 
     with torch.device("meta"):
-        model = UNet2DConditionModel(**json.loads(unet_json))
+        model = denoiser_from_config(json.loads(model_json)).build()
         _add_lora(model, lora_json)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -290,26 +295,26 @@ def _lora_parameter_count(unet_json: str, lora_json: str) -> int:
 def lora_parameter_count(cfg: MemoryConfig) -> int:
     """The trained (adapter) parameters of ``cfg``'s LoRA set-up; 0 without LoRA."""
     lora_json = _lora_json(cfg)
-    return _lora_parameter_count(json.dumps(unet_kwargs(cfg.unet), sort_keys=True), lora_json) if lora_json else 0
+    return _lora_parameter_count(_model_json(cfg.unet), lora_json) if lora_json else 0
 
 
 @lru_cache(maxsize=64)
-def _param_counts(unet_json: str) -> tuple[int, int]:
-    """(parameters, parameters of the largest down/mid/up block) of a U-Net, on the meta device."""
-    from diffusers import UNet2DConditionModel
+def _param_counts(model_json: str) -> tuple[int, int]:
+    """(parameters, parameters of the largest block) of a denoiser, on the meta device."""
+    from latentforge.models.denoiser import denoiser_from_config
 
+    den = denoiser_from_config(json.loads(model_json))
     with torch.device("meta"):
-        model = UNet2DConditionModel(**json.loads(unet_json))
-    blocks = [*model.down_blocks, model.mid_block, *model.up_blocks]
+        model = den.build()
     return (sum(p.numel() for p in model.parameters()),
-            max(sum(p.numel() for p in b.parameters()) for b in blocks))
+            max(sum(p.numel() for p in b.parameters()) for b in den.blocks(model)))
 
 
 def estimate_memory(cfg: MemoryConfig) -> dict[str, Any]:
     """The peak memory breakdown of ``cfg`` in bytes (see the module docstring); ``total`` is their
     sum, what ``torch.cuda.max_memory_allocated`` would show."""
     cfg.validate()
-    n, largest_block = _param_counts(json.dumps(unet_kwargs(cfg.unet), sort_keys=True))
+    n, largest_block = _param_counts(_model_json(cfg.unet))
     if cfg.cpu_offload:
         return _estimate_offloaded(cfg, n, largest_block)
     if cfg.lora_rank:
@@ -427,7 +432,11 @@ def format_memory(cfg: MemoryConfig, est: dict[str, Any], device_gib: float | No
     def gib(b: float) -> str:
         return f"{b / GIB:8.2f} GiB"
 
-    lines = [f"memory: U-Net {getattr(cfg.unet, 'preset', 'from a pipeline')} ({est['parameters']:,} parameters), latents {cfg.latent_size}x"
+    from latentforge.plan.flops import as_denoiser
+
+    what = {"unet": "U-Net", "dit": "transformer"}.get(as_denoiser(cfg.unet).kind, "denoiser")
+    lines = [f"memory: {what} {getattr(cfg.unet, 'preset', 'from a pipeline')} ({est['parameters']:,} parameters), "
+             f"latents {cfg.latent_size}x"
              f"{cfg.latent_size}, micro batch {cfg.micro_batch_size}, {cfg.precision}, {cfg.parallel} x "
              f"{cfg.world_size}, activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
              f"{cfg.optimizer}, EMA {cfg.ema}{', CPU offload' if cfg.cpu_offload else ''}"]
@@ -504,12 +513,12 @@ def train_memory_setup(t, cpu_offload: bool | None = None, autocast: bool = True
 
 def resolve_auto_micro_batch(cfg, latent_shapes: list[tuple[int, int]], device: torch.device, world_size: int,
                              budget: tuple[int, bool, str] | None = None,
-                             unet: UNetConfig | dict[str, Any] | None = None):
+                             unet: UNetConfig | DiTConfig | dict[str, Any] | None = None):
     """``cfg`` (a TrainConfig with ``micro_batch_size: auto``) with each phase's micro batch set to
     the largest that fits ``budget`` (default :func:`device_memory_budget`) and divides the
     phase's per-rank global batch, so the global batch is kept by gradient accumulation.
-    ``latent_shapes``: (latent side, caption tokens) per phase; ``unet``: the U-Net's shape when it
-    is not ``cfg.unet`` (a fine-tuned pipeline's). The set-up (parallelism, CPU offload, activation
+    ``latent_shapes``: (latent side, caption tokens) per phase; ``unet``: the denoiser's shape when it
+    is not the one ``cfg.model`` selects (a fine-tuned pipeline's U-Net). The set-up (parallelism, CPU offload, activation
     checkpointing, optimizer, EMA) is the run's own."""
     import logging
 
@@ -518,7 +527,10 @@ def resolve_auto_micro_batch(cfg, latent_shapes: list[tuple[int, int]], device: 
     device_bytes, allowance, how = budget or device_memory_budget(device)
     autocast = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     setup = train_memory_setup(cfg, autocast=autocast)
-    unet = unet or cfg.unet
+    if unet is None:
+        from latentforge.models.denoiser import denoiser_for
+
+        unet = denoiser_for(cfg).cfg
     phases = []
     for i, (p, (size, text_len)) in enumerate(zip(cfg.phases, latent_shapes)):
         if p.micro_batch_size:

@@ -118,6 +118,10 @@ def open_base(path: str | Path) -> BasePipeline:
     if not base.is_dir():
         raise UserError(f"{path}: no such directory (init_from needs a local diffusers pipeline directory)")
     index = _read_json(base / "model_index.json", base, "the pipeline index")
+    if isinstance(index.get("transformer"), list) and "unet" not in index:
+        # e.g. an exported train.model=dit run (PixArtAlphaPipeline): another family than the U-Net's.
+        raise UserError(f"{base}: a {index.get('_class_name')} with a {index['transformer'][-1]}: init_from "
+                        "fine-tunes the U-Net of a Stable Diffusion pipeline; a transformer is not turned into one")
     missing = [c for c in _COMPONENTS if not isinstance(index.get(c), list) or index[c][0] is None]
     if missing:
         raise UserError(f"{base}: model_index.json names no {', '.join(missing)}: fine-tuning needs a "

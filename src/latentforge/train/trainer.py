@@ -1,4 +1,4 @@
-"""The training loop of the latent diffusion U-Net: one readable loop over phases and steps.
+"""The training loop of the latent diffusion denoiser (U-Net or transformer): one readable loop over phases and steps.
 
 The :class:`Trainer` is handed an already-built model and a loader factory; it knows nothing of
 how processes were launched (one process, torchrun or Ray) beyond a :class:`World` with rank and
@@ -50,6 +50,8 @@ from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import ParallelConfig
 from latentforge.errors import ConfigError, Problem, Problems, UserError
 from latentforge.interrupt import InterruptConfig, StopOnSignal
+from latentforge.models.denoiser import denoiser_of
+from latentforge.models.dit import DiTConfig
 from latentforge.models.unet import UNetConfig
 from latentforge.train.ema import EMA, EMAConfig
 from latentforge.train.finetune import LoRAConfig, load_trainable_state_dict, trainable_state_dict
@@ -149,10 +151,14 @@ class TrainEvalConfig:
 
 @dataclass
 class TrainConfig:
-    """``latentforge train``: the U-Net, the objective, the optimizer and the phases."""
+    """``latentforge train``: the denoiser, the objective, the optimizer and the phases."""
 
     seed: int = field(default=0, metadata={"help": "seed of the initialisation and of the diffusion noise"})
-    unet: UNetConfig = field(default_factory=UNetConfig, metadata={"help": "the U-Net"})
+    model: Literal["unet", "dit"] = field(default="unet", metadata={
+        "help": "the denoiser: unet (train.unet, SD's U-Net) or dit (train.dit, PixArt-alpha's diffusion transformer)"})
+    unet: UNetConfig = field(default_factory=UNetConfig, metadata={"help": "the U-Net (train.model: unet)"})
+    dit: DiTConfig = field(default_factory=DiTConfig, metadata={
+        "help": "the diffusion transformer (train.model: dit)"})
     noise: NoiseScheduleConfig = field(default_factory=NoiseScheduleConfig, metadata={"help": "the noise schedule"})
     min_snr_gamma: float = field(default=0.0, metadata={"help": "min-SNR-gamma loss weighting; 0 = off (5 is usual)"})
     offset_noise: float = field(default=0.0, metadata={"help": "offset-noise strength; 0 = off (0.05-0.1 is usual)"})
@@ -229,7 +235,7 @@ class TrainConfig:
                 problems.add("sampling.sampler: ddpm has no flow-matching form here; use ddim, dpm++ or euler")
         # The nested sections are validated by from_dict already (a check reached twice is reported once);
         # here again for a TrainConfig built in code.
-        for name in ("unet", "noise", "optim", "checkpoint", "eval", "interrupt", "parallel"):
+        for name in ("unet", "dit", "noise", "optim", "checkpoint", "eval", "interrupt", "parallel"):
             problems.nested(name, getattr(self, name))
         for name in ("ema", "lora"):
             if getattr(self, name) is not None:
@@ -251,6 +257,10 @@ class TrainConfig:
             elif self.precision != "bf16":
                 problems.add(f"frozen_dtype: bfloat16 base weights need precision bf16 (autocast), got precision "
                              f"{self.precision}; set train.precision: bf16")
+        if self.model != "unet" and self.init_from:
+            # A fine-tune continues the base pipeline's own U-Net: it cannot become another family.
+            problems.add(f"model: {self.model} cannot fine-tune init_from={self.init_from} (a Stable Diffusion "
+                         "pipeline's U-Net): remove train.model, or train the transformer from scratch")
         problems.raise_if_any()
 
 
@@ -400,6 +410,7 @@ class Trainer:
         self.ema = EMA(model, cfg.ema, trainable_only=self.trainable_only) if cfg.ema is not None else None
         # FSDP2 shards the parameters into DTensors in place: checkpoints then go through DCP.
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        self.denoiser = denoiser_of(model)  # how this backbone is called (train_model may wrap it)
         self.step = 0
         self.phase = 0
         self.skipped_steps = 0
@@ -531,9 +542,10 @@ class Trainer:
             x_t = add_noise(x0, noise, t, self.alphas_cumprod)
             target = training_target(x0, noise, t, self.alphas_cumprod, cfg.noise.prediction_type)
         hidden = batch["text_hidden"].to(self.device, non_blocking=True)
+        mask = batch["text_mask"].to(self.device, non_blocking=True) if self.denoiser.uses_text_mask else None
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            pred = self.train_model(x_t, t, encoder_hidden_states=hidden.to(self.autocast_dtype or torch.float32),
-                                    return_dict=False)[0]
+            pred = self.denoiser.forward(self.train_model, x_t, t, hidden.to(self.autocast_dtype or torch.float32),
+                                         mask)
         weights = None
         if cfg.min_snr_gamma:
             weights = min_snr_weight(snr(self.alphas_cumprod, t), cfg.min_snr_gamma, cfg.noise.prediction_type)
