@@ -155,8 +155,11 @@ def _parameters_and_optimizer_state_are_offloaded():
 
 
 def test_offload_config_checks():
-    with pytest.raises(ConfigError, match="parallel.cpu_offload: .*needs parallel.strategy=fsdp"):
+    # validate() names fields relative to the section; loaded from a recipe they are prefixed once.
+    with pytest.raises(ConfigError, match="^cpu_offload: .*needs parallel.strategy=fsdp"):
         ParallelConfig(strategy="ddp", cpu_offload=True).validate()
+    with pytest.raises(ConfigError, match=r"^train\.parallel\.cpu_offload: .*needs parallel.strategy=fsdp"):
+        from_dict(RunConfig, {"train": {"parallel": {"strategy": "ddp", "cpu_offload": True}}})
     assert resolve_strategy(ParallelConfig(strategy="fsdp", cpu_offload=True), 1) == "fsdp"
     assert resolve_strategy(ParallelConfig(strategy="fsdp"), 1) == "none"
     with pytest.raises(ConfigError, match="optim.name: adamw8bit does not run on FSDP2"):

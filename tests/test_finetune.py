@@ -183,13 +183,13 @@ def test_adamw8bit_and_activation_checkpointing_resume_exactly(assets, tmp_path,
 # ------------------------------------------------------------------ LoRA
 
 
-def expected_lora_params(pipe_dir: Path) -> int:
+def expected_lora_params(pipe_dir: Path, rank: int = LORA_RANK) -> int:
     """r x (in + out) per adapted Linear (A: r x in, B: out x r), counted from the base U-Net."""
     unet = UNet2DConditionModel.from_pretrained(str(pipe_dir), subfolder="unet")
     total = 0
     for name, module in unet.named_modules():
         if isinstance(module, torch.nn.Linear) and any(name.endswith("." + t) for t in TARGETS):
-            total += LORA_RANK * (module.in_features + module.out_features)
+            total += rank * (module.in_features + module.out_features)
     return total
 
 
@@ -279,6 +279,65 @@ def test_lora_with_bfloat16_frozen_weights(assets, tmp_path, trainers):
     ref, low = metrics(runs["float32"]), metrics(runs["bfloat16"])
     assert [r["step"] for r in low] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in low] == pytest.approx([r["loss"] for r in ref], rel=0.03)
+
+
+def test_lora_8gb_recipe_fine_tunes_a_tiny_pipeline_and_exports_a_lora_file(assets, tmp_path, trainers, monkeypatch):
+    """recipes/finetune-lora-8gb.yaml as shipped (rank-8 adapters on the attention projections, bf16
+    autocast over a bf16 frozen base, activation checkpointing, 2 accumulation micro batches, an
+    EMA of the adapters), with only the data, the device, the step counts and the learning rate
+    made tiny: it trains the adapters alone and its --lora-file export loads with load_lora_weights
+    onto the untouched base pipeline, where it reproduces the merged export."""
+    from latentforge.recipe import load_recipe
+
+    shipped = load_recipe("finetune-lora-8gb")
+    recomputed = []
+    checkpoint = torch.utils.checkpoint.checkpoint
+
+    def counting(*args, **kwargs):
+        recomputed.append(1)
+        return checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting)
+
+    def finetune(run_dir: Path, *extra: str) -> None:
+        assert main(["finetune", str(run_dir), "--from", str(assets["sd2v"]), "--recipe", "finetune-lora-8gb",
+                     "--quiet", f"train.phases.0.datasets=[{{path: '{assets['latents-sd2v']}'}}]",
+                     f"train.phases.0.steps={STEPS}", "train.device=cpu", "train.loggers=[]", "train.log_every=1",
+                     "train.checkpoint.every_steps=2", "train.optim.lr=1e-2", "train.optim.warmup_steps=0",
+                     "loader.num_workers=0", f"loader.cache_dir={assets['cache']}", *extra]) == 0
+
+    run_dir = tmp_path / "run"
+    finetune(run_dir)
+    (trainer,) = trainers
+    cfg = trainer.cfg
+    assert cfg.lora == shipped.train.lora and cfg.lora.rank == 8
+    assert (cfg.precision, cfg.frozen_dtype, cfg.micro_batch_size, cfg.global_batch_size) == ("bf16", "bfloat16", 4, 8)
+    assert cfg.parallel.activation_checkpointing and recomputed  # block forwards went through checkpoint()
+    model = trainer.model
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert sum(p.numel() for p in trainable.values()) == expected_lora_params(assets["sd2v"], rank=8)
+    assert {p.dtype for p in trainable.values()} == {torch.float32}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    final = load_step(run_dir, STEPS)
+    assert set(final.tensors["model"]) == set(trainable) == set(final.tensors["ema"])
+    # Recomputing the activations changes nothing: the same losses as without checkpointing.
+    plain = tmp_path / "plain"
+    finetune(plain, "train.parallel.activation_checkpointing=false")
+    assert [r["loss"] for r in metrics(run_dir)] == pytest.approx([r["loss"] for r in metrics(plain)], rel=1e-5)
+
+    merged, lora_dir = tmp_path / "merged", tmp_path / "lora-file"
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(merged)]) == 0
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(lora_dir), "--lora-file"]) == 0
+    merged_pipe = pipeline(merged)
+    with torch.no_grad():
+        embeds = merged_pipe.encode_prompt("a big blue square", "cpu", 1, True, "")
+    ours = latents_of(merged_pipe, embeds)
+    base = pipeline(assets["sd2v"])
+    without = latents_of(base, embeds)
+    base.load_lora_weights(str(lora_dir))
+    theirs = latents_of(base, embeds)
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)  # base + adapter file = merged export
+    assert float((ours - without).abs().max()) > 1e-3  # and the adapters changed the model
 
 
 def test_lora_resume_is_exact(assets, tmp_path, monkeypatch):
@@ -373,11 +432,17 @@ def test_config_errors(assets, tmp_path, capsys):
     assert main(["encode", str(assets["raw"]), "--from", str(assets["sd1"]), "--vae", str(assets["sd1"]),
                  "--out", str(tmp_path / "x")]) == 2
     _one_error_line(capsys, "--from")
-    with pytest.raises(ConfigError, match="init_from"):
-        from_dict(RunConfig, apply_overrides({}, ["train.lora={rank: 2}"]))
-    with pytest.raises(ConfigError, match="frozen_dtype"):
+    # A LoRA recipe is valid without init_from (finetune --from gives it), a LoRA run without one is not.
+    lora_only = from_dict(RunConfig, apply_overrides({}, [
+        "train.lora={rank: 2}", f"train.phases=[{{datasets: [{{path: '{assets['latents-sd1']}'}}], steps: 1}}]"]))
+    with pytest.raises(ConfigError, match=r"^train\.lora: LoRA adapts existing weights; set train\.init_from"):
+        train(lora_only, tmp_path / "r1", progress=False)
+    assert not (tmp_path / "r1").exists()
+    with pytest.raises(ConfigError, match=r"^train\.frozen_dtype: bfloat16 base weights need precision bf16"):
         from_dict(RunConfig, apply_overrides({}, ["train.init_from=x", "train.lora={rank: 2}",
                                                   "train.frozen_dtype=bfloat16"]))
+    with pytest.raises(ConfigError, match=r"^train\.frozen_dtype: bfloat16 is for the frozen base weights of a LoRA"):
+        from_dict(RunConfig, apply_overrides({}, ["train.frozen_dtype=bfloat16", "train.precision=bf16"]))
     full = tmp_path / "full"
     assert main(finetune_args(assets, "sd1", full, "train.ema=null", steps=1)) == 0
     assert main(["export", "--checkpoint", str(full), "--out", str(tmp_path / "e"), "--lora-file"]) == 2

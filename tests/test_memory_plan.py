@@ -227,3 +227,106 @@ def test_finetune_8gb_recipe_fits_8gb_only_with_cpu_offload(capsys):
     out = capsys.readouterr().out
     assert "does NOT fit in 8 GB" in out and "CPU offload" not in out.splitlines()[0]
     assert _breakdown(out)["optimizer"] > 6  # 8 B/param of AdamW state on the device
+
+
+# ------------------------------------------------------------------ LoRA
+
+
+def _lora_step_peak(unet_cfg: UNetConfig, latent_size: int, micro: int, rank: int) -> int:
+    """Peak live tensor bytes of one real CPU training step of a frozen U-Net with LoRA adapters
+    (fp32, AdamW on the adapters, its state already made by a first step), counted per storage
+    by bench's TensorBytes as every aten op, backward included, creates tensors."""
+    from diffusers import UNet2DConditionModel
+
+    from latentforge.plan.bench import TensorBytes
+    from latentforge.train.finetune import LoRAConfig
+
+    torch.manual_seed(0)
+    kwargs = unet_diffusers_config(unet_cfg)
+    model = UNet2DConditionModel(**kwargs)
+    model.requires_grad_(False)
+    model.add_adapter(LoRAConfig(rank=rank).peft_config())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=False)
+    x = torch.randn(micro, kwargs["in_channels"], latent_size, latent_size)
+    text = torch.randn(micro, 77, kwargs["cross_attention_dim"])
+    t = torch.randint(0, 1000, (micro,))
+
+    def step() -> None:
+        model(x, t, encoder_hidden_states=text).sample.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    tracker = TensorBytes()
+    for p in model.parameters():
+        tracker.add(p)
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                tracker.add(v)
+    with tracker:
+        step()
+    return tracker.peak
+
+
+def test_lora_plan_matches_a_measured_cpu_step():
+    """The LoRA estimate (frozen base, adapters' gradients and AdamW state, activations measured with
+    the base frozen) against the live tensor bytes of a real step; the full fine-tune's estimate of
+    the same U-Net is far from it, so the test tells the two apart."""
+    tiny = UNetConfig(preset="tiny")
+    micro = 8
+    measured = _lora_step_peak(tiny, 16, micro, rank=4)
+    mem = MemoryConfig(unet=tiny, latent_size=16, text_len=77, micro_batch_size=micro, precision="fp32", ema="off",
+                       lora_rank=4)
+    lora = estimate_memory(mem)
+    full = estimate_memory(replace(mem, lora_rank=0))
+    print(f"LoRA step, tiny preset, micro batch {micro}: predicted {lora['total'] / 2**20:.1f} MiB, measured "
+          f"{measured / 2**20:.1f} MiB ({100 * (lora['total'] / measured - 1):+.1f}%); as a full fine-tune "
+          f"{full['total'] / 2**20:.1f} MiB")
+    assert abs(lora["total"] / measured - 1) < 0.1
+    assert full["total"] / measured > 1.15
+    n, n_lora = lora["parameters"], lora["trained_parameters"]
+    assert (lora["weights"], lora["gradients"], lora["optimizer"]) == (4 * n + 4 * n_lora, 4 * n_lora, 8 * n_lora)
+
+
+def _sd2_lora_parameters(rank: int, targets: tuple[str, ...]) -> int:
+    """r x (in + out) per adapted Linear of the sd2-base U-Net, counted on the meta device."""
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**unet_diffusers_config(UNetConfig(preset="sd2-base")))
+    return sum(rank * (m.in_features + m.out_features) for name, m in unet.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(name.endswith("." + t) for t in targets))
+
+
+def test_finetune_lora_8gb_recipe_fits_8gb(capsys):
+    """recipes/finetune-lora-8gb.yaml is valid, and the planner prices it as the LoRA run it is
+    (adapters trained, frozen bf16 base, activation checkpointing, its micro batch) and fits it in
+    the 8 GB its name promises."""
+    from latentforge.plan.report import recipe_memory_setup
+    from latentforge.recipe import load_recipe
+
+    recipe = load_recipe("finetune-lora-8gb")
+    t = recipe.train
+    assert t.lora is not None and t.init_from == ""  # finetune --from gives the pipeline
+    setup = recipe_memory_setup(recipe)
+    assert setup == {"parallel": "ddp", "cpu_offload": False, "activation_checkpointing": True, "precision": "bf16",
+                     "optimizer": "adamw", "ema": "same", "lora_rank": t.lora.rank,
+                     "lora_target_modules": tuple(t.lora.target_modules), "frozen_dtype": "bfloat16"}
+    assert main(["plan", "--memory", "--recipe", "finetune-lora-8gb", "--gpu-memory", "8", "--chart", ""]) == 0
+    out = capsys.readouterr().out
+    head = out.splitlines()[0]
+    n_lora = _sd2_lora_parameters(t.lora.rank, tuple(t.lora.target_modules))
+    assert n_lora == 1_659_904  # the figure docs/finetune.md gives
+    assert "sd2-base (865,910,724 parameters)" in head and "latents 64x64" in head
+    assert f"micro batch {t.micro_batch_size}" in head and "LoRA rank 8" in head
+    assert f"({n_lora:,} trained parameters)" in head and "frozen base bfloat16" in head
+    items = _breakdown(out)
+    assert sum(v for k, v in items.items() if k != "total") == pytest.approx(items["total"], abs=0.011 * len(items))
+    n = 865_910_724
+    assert items["weights"] == pytest.approx((2 * n + 4 * n_lora) / GIB, abs=0.006)  # bf16 base + fp32 adapters
+    assert items["gradients"] == pytest.approx(4 * n_lora / GIB, abs=0.006)
+    assert items["optimizer"] == pytest.approx(8 * n_lora / GIB, abs=0.006)
+    assert "fits in 8 GB" in out and float(out.split("needs ")[1].split()[0]) <= 8.0
+    largest = int(out.split("largest micro batch that fits: ")[1].split()[0])
+    assert largest >= t.micro_batch_size

@@ -398,8 +398,8 @@ def test_indivisible_global_batch_names_the_field(train_batch, phase_batch, worl
 @pytest.mark.parametrize("phase, message", [
     ({}, "phases[0].steps: set exactly one of steps and samples"),
     ({"steps": 3, "samples": 30}, "phases[0].steps: set exactly one of steps and samples"),
-    ({"steps": -1}, "phases[0].steps: steps, samples and batch sizes must be >= 0"),
-    ({"steps": 3, "micro_batch_size": -2}, "phases[0].steps: steps, samples and batch sizes must be >= 0"),
+    ({"steps": -1}, "phases[0].steps: must be >= 0, got -1"),
+    ({"steps": 3, "micro_batch_size": -2}, "phases[0].micro_batch_size: must be >= 0, got -2"),
 ])
 def test_phase_needs_exactly_one_of_steps_and_samples(phase, message):
     with pytest.raises(ConfigError) as e:

@@ -207,7 +207,7 @@ def cmd_sample(ns, overrides):
     out = Path(ns.out)
     if (out / "grid.png").exists() and not ns.overwrite:
         raise UserError(f"{out}: already holds samples (grid.png); choose another --out or pass --overwrite")
-    comps = load_components(ns.checkpoint, use_ema=not ns.no_ema)
+    comps = load_components(ns.checkpoint, use_ema=not ns.no_ema, sampler=ns.sampler)
     prompts = [p for p in ns.prompt for _ in range(ns.num_per_prompt)]
     images = generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length,
                       prompts, seed=ns.seed, num_steps=ns.steps, guidance_scale=ns.cfg, sampler=ns.sampler)
@@ -410,7 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="samples", help="output directory")
     sp.add_argument("--cfg", type=float, default=5.0, help="classifier-free guidance scale")
     sp.add_argument("--steps", type=int, default=30, help="sampler steps")
-    sp.add_argument("--sampler", default="ddim", choices=["ddim", "dpm++", "euler", "ddpm"])
+    sp.add_argument("--sampler", default="ddim", choices=["ddim", "dpm++", "euler", "ddpm"],
+                    help="a flow_matching model: euler = FlowMatchEulerDiscreteScheduler, ddim / dpm++ = "
+                         "DPM-Solver order 1 / 2 on flow sigmas, no ddpm")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--num-per-prompt", dest="num_per_prompt", type=int, default=1)
     sp.add_argument("--no-ema", dest="no_ema", action="store_true", help="use the raw weights, not the EMA")
@@ -419,7 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("export", cmd_export, "write a diffusers StableDiffusionPipeline directory from a checkpoint")
     sp.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory")
     sp.add_argument("--out", required=True, help="output directory (new)")
-    sp.add_argument("--scheduler", default="ddim", choices=["ddim", "dpm++", "euler", "ddpm"])
+    sp.add_argument("--scheduler", default="ddim", choices=["ddim", "dpm++", "euler", "ddpm"],
+                    help="a flow_matching model: ddim or dpm++ (their flow forms; StableDiffusionPipeline cannot "
+                         "run the flow euler)")
     sp.add_argument("--no-ema", dest="no_ema", action="store_true", help="export the raw weights, not the EMA")
     sp.add_argument("--lora-file", dest="lora_file", action="store_true",
                     help="LoRA runs: write only the adapter file (load_lora_weights), not the merged pipeline")
@@ -533,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = ns.fn(ns, overrides)  # EXIT_INTERRUPTED (75) after a stop with a checkpoint, else None / 0
     except UserError as e:
-        print(f"latentforge: error: {e}", file=sys.stderr)
+        # A configuration with several problems lists them all, one line each.
+        for line in str(e).splitlines() or [""]:
+            print(f"latentforge: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("latentforge: interrupted (rerun the same command to resume)", file=sys.stderr)

@@ -4,7 +4,11 @@ Every component owns a small ``@dataclass`` config with a ``help`` string per fi
 (``field(default=..., metadata={"help": ...})``). :func:`from_dict` builds one from plain data
 and rejects unknown keys and wrong types with a :class:`ConfigError` that names the dotted path
 of the field; components add their own consistency checks in a ``validate()`` method that
-raises :class:`ConfigError` too. The CLI turns a ``ConfigError`` into one line and exit code 2.
+raises :class:`ConfigError` too, with field names relative to the component (``rank: ...``):
+:func:`from_dict` prefixes the path of the section, so messages name the exact YAML path
+(``train.lora.rank: ...``). Every problem of a configuration is collected (unknown keys, wrong
+types, failed checks, across all nested sections) and raised as one ``ConfigError`` that lists
+them one per line; the CLI prints each line and exits with code 2.
 
 No string in a config ever names code to import: components are chosen by plain names that
 the code maps to builders itself.
@@ -21,10 +25,11 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-from latentforge.errors import ConfigError
+from latentforge.errors import ConfigError, Problems
 
 __all__ = [
     "ConfigError",
+    "Problems",
     "field_help",
     "from_dict",
     "to_dict",
@@ -106,13 +111,19 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
             return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
         item_tp = args[0] if args else Any
-        items = [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+        try:
+            items = _collect([(f"{path}[{i}]", item_tp, v) for i, v in enumerate(value)])
+        except ConfigError as e:
+            if origin is tuple and hasattr(e, "partial"):
+                e.partial = tuple(e.partial)
+            raise
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         ktp, vtp = get_args(tp) or (Any, Any)
-        return {_coerce(k, ktp, f"{path}.{k}"): _coerce(v, vtp, f"{path}.{k}") for k, v in value.items()}
+        keys = _collect([(f"{path}.{k}", ktp, k) for k in value])
+        return dict(zip(keys, _collect([(f"{path}.{k}", vtp, v) for k, v in value.items()])))
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -142,8 +153,42 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     raise ConfigError(f"{path}: unsupported config type {_type_name(tp)}")
 
 
+_NONE = object()
+
+
+def _collect(items: list[tuple[str, Any, Any]]) -> list[Any]:
+    """``_coerce`` each (path, type, value), raising one ConfigError with the problems of all of them
+    (its ``partial``: the values, if each was at least built, see :func:`from_dict`)."""
+    out, problems = [], []
+    for path, tp, value in items:
+        try:
+            out.append(_coerce(value, tp, path))
+        except ConfigError as e:
+            problems.extend(e.problems)
+            out.append(getattr(e, "partial", _NONE))
+    if problems:
+        err = ConfigError(problems=problems)
+        if all(v is not _NONE for v in out):
+            err.partial = out
+        raise err
+    return out
+
+
+def _field_of(text: str, path: str) -> str:
+    """The field of this section that the problem ``text`` (a full dotted path, then ``:``) is about."""
+    rest = text.split(":", 1)[0][len(path) + 1 if path else 0:]
+    return rest.split(".", 1)[0].split("[", 1)[0]
+
+
 def from_dict(cfg_cls: type, data: Any, path: str = "") -> Any:
-    """Build the dataclass ``cfg_cls`` from a mapping, validating keys, types and consistency."""
+    """Build the dataclass ``cfg_cls`` from a mapping, validating keys, types and consistency.
+
+    Every problem is collected, also those of nested sections and of the section's own
+    ``validate()`` (whose field names are relative: this function prefixes ``path``), and raised
+    as one :class:`ConfigError`. A nested section that was built but failed its own checks keeps
+    its values for this section's ``validate()`` (the error's ``partial``), so that checks across
+    fields see what the recipe says; a field whose value could not be read at all (a wrong type)
+    takes its default there, and this section's problems about that field are left out."""
     where = path or cfg_cls.__name__
     if data is None:
         data = {}
@@ -151,29 +196,47 @@ def from_dict(cfg_cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(f"{where}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cfg_cls)
     fields = {f.name: f for f in dataclasses.fields(cfg_cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        key = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise ConfigError(f"{key}: unknown key (valid keys here: {', '.join(sorted(fields))})")
-    kwargs = {}
+
+    def key(name: str) -> str:
+        return f"{path}.{name}" if path else name
+
+    problems = Problems()
+    for name in sorted(set(data) - set(fields)):
+        problems.add(f"{key(name)}: unknown key; valid keys here: {', '.join(sorted(fields))}")
+    kwargs, refused = {}, set()
     for name, value in data.items():
-        kwargs[name] = _coerce(value, hints[name], f"{path}.{name}" if path else name)
-    missing = [
+        if name not in fields:
+            continue
+        try:
+            kwargs[name] = _coerce(value, hints[name], key(name))
+        except ConfigError as e:
+            problems.items.extend(e.problems)
+            if hasattr(e, "partial"):
+                kwargs[name] = e.partial
+            else:
+                refused.add(name)
+    unset = [
         n for n, f in fields.items()
         if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
-    if missing:
-        key = f"{path}.{missing[0]}" if path else missing[0]
-        raise ConfigError(f"{key}: required but not set")
+    for name in unset:
+        if name not in data:
+            problems.add(f"{key(name)}: required but not set")
+    if unset:  # the section cannot be built to check the rest
+        problems.raise_if_any()
     cfg = cfg_cls(**kwargs)
     validate = getattr(cfg, "validate", None)
     if callable(validate):
         try:
             validate()
         except ConfigError as e:
-            # Components raise with field-relative names; prefix the path of this section.
-            msg = str(e)
-            raise ConfigError(f"{path}.{msg}" if path and not msg.startswith(path) else msg) from None
+            # Components name their fields relative to themselves; prefix the path of this section.
+            problems.items.extend(p for p in e.prefixed(path).problems if _field_of(p.text, path) not in refused)
+    if problems:
+        err = ConfigError(problems=problems.items)
+        if not refused:
+            err.partial = cfg  # built, with every value the recipe gave: the enclosing section can check it
+        raise err
     return cfg
 
 

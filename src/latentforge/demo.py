@@ -24,7 +24,7 @@ import torch
 from latentforge import checkpoint as ckpt
 from latentforge.config import save_config
 from latentforge.data.loader import StreamConfig
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import Problems, UserError
 from latentforge.evaluate.alignment import WORDINGS
 from latentforge.evaluate.judge import JudgeConfig
 from latentforge.models.text import MINILM_PACKAGE, builtin_text_encoder  # noqa: F401  (re-exported)
@@ -52,15 +52,19 @@ class DemoConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig, metadata={"help": "the judge classifier"})
 
     def validate(self) -> None:
-        if self.prompts_per_combo < 1 or self.batch_size < 1:
-            raise ConfigError("prompts_per_combo: prompts_per_combo and batch_size must be at least 1")
+        problems = Problems()
+        for name in ("prompts_per_combo", "batch_size"):
+            if getattr(self, name) < 1:
+                problems.add(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.curve_per_combo < 0:
-            raise ConfigError(f"curve_per_combo: must be 0 (no curve) or more, got {self.curve_per_combo}")
+            problems.add(f"curve_per_combo: must be 0 (no curve) or more, got {self.curve_per_combo}")
         for w in self.wordings:
             if w not in WORDINGS:
-                raise ConfigError(f"wordings: unknown wording {w!r} (known: {', '.join(WORDINGS)})")
+                problems.add(f"wordings: unknown wording {w!r} (known: {', '.join(WORDINGS)})")
         if "caption" not in self.wordings:
-            raise ConfigError("wordings: must include 'caption' (the held-out grid and the distribution metric use it)")
+            problems.add("wordings: must include 'caption' (the held-out grid and the distribution metric use it); "
+                         "add it")
+        problems.raise_if_any()
 
 
 class _Stages:
@@ -277,6 +281,9 @@ def _evaluate(recipe: Any, out: Path, judge: Any) -> dict[str, Any]:
     check_new_wordings()
     pipe = DiffusionPipeline.from_pretrained(str(out / "export"), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
+    from latentforge.export.diffusers_pipeline import pipeline_call_kwargs
+
+    call = pipeline_call_kwargs(out / "export")  # a transformer's PixArtAlphaPipeline settings
     rng = np.random.default_rng(d.seed)
     train_combos = recipe.synth.train_combos()
     seen = [train_combos[i] for i in rng.choice(len(train_combos), size=min(d.num_seen_combos, len(train_combos)),
@@ -296,7 +303,7 @@ def _evaluate(recipe: Any, out: Path, judge: Any) -> dict[str, Any]:
                 g = torch.Generator("cpu").manual_seed(d.seed + 1000 * w_i + i)
                 images += pipe([p.text for p in prompts[i:i + d.batch_size]], num_inference_steps=d.num_steps,
                                guidance_scale=d.guidance_scale, height=size, width=size, generator=g,
-                               output_type="pil").images
+                               output_type="pil", **call).images
             found = verdicts(judge, images, size, d.judge.floor)
             per["wordings"][wording] = score(prompts, found)
             all_prompts += prompts
@@ -340,7 +347,7 @@ def _export_and_check(recipe: Any, out: Path, comps: Any) -> dict[str, Any]:
     images with ours."""
     from diffusers import DiffusionPipeline
 
-    from latentforge.export.diffusers_pipeline import export_pipeline
+    from latentforge.export.diffusers_pipeline import export_pipeline, pipeline_call_kwargs
     from latentforge.inference import generate
 
     export_dir = out / "export"
@@ -351,7 +358,8 @@ def _export_and_check(recipe: Any, out: Path, comps: Any) -> dict[str, Any]:
     prompts = ["a small red star in the top left", "a large blue square in the center"]
     res = recipe.ingest.image.resolution
     theirs = pipe(prompts, num_inference_steps=10, guidance_scale=4.0, height=res, width=res,
-                  generator=torch.Generator("cpu").manual_seed(7), output_type="np").images
+                  generator=torch.Generator("cpu").manual_seed(7), output_type="np",
+                  **pipeline_call_kwargs(export_dir)).images
     ours = generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length, prompts,
                     seed=7, num_steps=10, guidance_scale=4.0, sampler=recipe.demo.sampler)
     ours_np = np.stack([np.asarray(im) for im in ours]).astype(np.float32) / 255

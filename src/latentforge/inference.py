@@ -1,11 +1,11 @@
 """Generate images from a training run: the components, the sampling call, grids.
 
 A checkpoint directory ``RUN/checkpoints/step-N/`` plus the run's ``train_config.yaml`` and
-``data_meta.json`` say everything needed: the U-Net architecture and weights (EMA by default),
+``data_meta.json`` say everything needed: the denoiser's architecture and weights (EMA by default),
 the noise schedule, and which VAE and text encoder made the training latents (and so must
 decode and encode here). Sampling follows diffusers' StableDiffusionPipeline step for step
-(:func:`latentforge.diffusion.sampling.sample_latents`), so an exported pipeline reproduces
-these images for the same seed.
+(:func:`latentforge.diffusion.sampling.sample_latents`; PixArtAlphaPipeline's differences for the
+transformer are listed there), so an exported pipeline reproduces these images for the same seed.
 """
 
 from __future__ import annotations
@@ -23,23 +23,27 @@ from PIL import Image, ImageDraw
 
 from latentforge import checkpoint as ckpt
 from latentforge.diffusion.sampling import sample_latents
-from latentforge.diffusion.schedule import NoiseScheduleConfig, make_sampler
+from latentforge.diffusion.schedule import NoiseScheduleConfig, check_sampler_name, make_sampler
 from latentforge.errors import UserError
 from latentforge.models.autoencoder import load_vae
 from latentforge.models.text import encode_text, load_text_encoder
-from latentforge.models.unet import build_unet
+from latentforge.models.denoiser import denoiser_for, denoiser_of
 
 
 @dataclass
 class Components:
-    unet: torch.nn.Module
+    unet: torch.nn.Module  # the denoiser (a U-Net or a transformer; the name is kept for callers)
     vae: Any
     text_model: Any
     tokenizer: Any
     noise: NoiseScheduleConfig
     max_length: int
     device: torch.device
-    weights: str  # which tensor group the U-Net holds: "ema" or "model"
+    weights: str  # which tensor group the denoiser holds: "ema" or "model"
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.unet
 
 
 def run_dir_of(checkpoint_dir: Path) -> Path:
@@ -82,10 +86,15 @@ def load_encoders(meta: dict[str, Any], device: torch.device) -> tuple[Any, Any,
     return vae, text_model, tokenizer
 
 
-def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | torch.device = "cpu") -> Components:
+def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | torch.device = "cpu",
+                    sampler: str | None = None) -> Components:
+    """The run's models and noise schedule; ``sampler``: a sampler name checked against the run's
+    objective first, before any model is loaded."""
     path = resolve_checkpoint(checkpoint)
     run = run_dir_of(path)
     cfg, meta = load_run_files(run)
+    if sampler is not None:
+        check_sampler_name(sampler, cfg.train.noise)
     device = torch.device(device)
     c = ckpt.load_checkpoint(path)
     group = "ema" if use_ema and "ema" in c.tensors else "model"  # a run without EMA has only the raw weights
@@ -94,7 +103,7 @@ def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | 
 
         unet = unet_for_run(cfg.train, c.tensors[group], str(path))
     else:
-        unet = build_unet(cfg.train.unet)
+        unet = denoiser_for(cfg.train).build()
         unet.load_state_dict(c.tensors[group])
     unet.to(device).eval()
     vae, text_model, tokenizer = load_encoders(meta, device)
@@ -124,13 +133,16 @@ def generate_latents(unet: torch.nn.Module, text_model: Any, tokenizer: Any, noi
     if num_steps < 1:
         raise UserError(f"generate: num_steps must be at least 1, got {num_steps}")
     device = next(unet.parameters()).device
-    cond = encode_text(text_model, tokenizer, list(prompts), max_length)["text_hidden"]
-    uncond = encode_text(text_model, tokenizer, [""] * len(prompts), max_length)["text_hidden"]
+    cond = encode_text(text_model, tokenizer, list(prompts), max_length)
+    uncond = encode_text(text_model, tokenizer, [""] * len(prompts), max_length)
+    # Condition as in training: with the caption mask exactly when the backbone trains with it.
+    masks = (uncond["text_mask"], cond["text_mask"]) if denoiser_of(unet).uses_text_mask else None
     size = latent_size or unet.config.sample_size
     shape = (len(prompts), unet.config.in_channels, size, size)
     generator = torch.Generator(device=device).manual_seed(seed)
-    return sample_latents(unet, make_sampler(sampler, noise), cond, uncond, shape, num_steps, guidance_scale,
-                          generator, device=device, dtype=unet.dtype)
+    return sample_latents(unet, make_sampler(sampler, noise, size), cond["text_hidden"], uncond["text_hidden"], shape,
+                          num_steps, guidance_scale, generator, encoder_attention_mask=masks, device=device,
+                          dtype=unet.dtype)
 
 
 def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:

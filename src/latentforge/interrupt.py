@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from latentforge.errors import ConfigError
+from latentforge.errors import Problems
 
 __all__ = ["EXIT_INTERRUPTED", "InterruptConfig", "StopOnSignal", "signal_number"]
 
@@ -73,16 +73,20 @@ class InterruptConfig:
                 "a stop then waits for up to this many steps"})
 
     def validate(self) -> None:
+        problems = Problems()
         if self.extra_signal:
             try:
                 signal_number(self.extra_signal)
             except ValueError:
-                raise ConfigError(f"extra_signal: {self.extra_signal!r} is not a signal that can be caught here "
-                                  "(e.g. SIGUSR1, SIGUSR2, SIGHUP; empty = none)") from None
+                problems.add(f"extra_signal: {self.extra_signal!r} is not a signal that can be caught here "
+                             "(e.g. SIGUSR1, SIGUSR2, SIGHUP; empty = none)")
         if not self.grace_seconds >= 0:
-            raise ConfigError(f"grace_seconds: must be >= 0, got {self.grace_seconds}")
+            problems.add(f"grace_seconds: must be >= 0, got {self.grace_seconds}; "
+                         "the seconds a stop signal leaves to save")
         if self.check_every_steps < 1:
-            raise ConfigError(f"check_every_steps: must be >= 1, got {self.check_every_steps}")
+            problems.add(f"check_every_steps: must be >= 1, got {self.check_every_steps}; "
+                         "1 = check for a stop signal every step")
+        problems.raise_if_any()
 
     def signals(self) -> list[int]:
         out = [int(signal.SIGINT), int(signal.SIGTERM)]

@@ -59,7 +59,7 @@ from latentforge.data.schema import (
     write_index,
     write_shard,
 )
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import ConfigError, Problems, UserError
 from latentforge.interrupt import InterruptConfig, StopOnSignal
 from latentforge.models.autoencoder import first_line, load_vae, vae_fingerprint, vae_meta
 from latentforge.models.text import (
@@ -134,15 +134,14 @@ class EncodeConfig:
             raise ConfigError("encode.text_encoder: required: a text encoder directory or hub id (--text-encoder PATH)")
 
     def validate(self) -> None:
+        problems = Problems()
         if self.max_length is not None and self.max_length < 1:
-            raise ConfigError(f"max_length: must be at least 1 (or null for the tokenizer's own), "
-                              f"got {self.max_length}")
+            problems.add(f"max_length: must be at least 1 (or null for the tokenizer's own), "
+                         f"got {self.max_length}")
         if self.batch_size < 1:
-            raise ConfigError(f"batch_size: must be at least 1, got {self.batch_size}")
-        try:
-            self.interrupt.validate()
-        except ConfigError as e:
-            raise ConfigError(f"interrupt.{e}") from None
+            problems.add(f"batch_size: must be at least 1, got {self.batch_size}; images per encoder call")
+        problems.nested("interrupt", self.interrupt)
+        problems.raise_if_any()
 
 
 class _Stopped(Exception):

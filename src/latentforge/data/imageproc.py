@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image, ImageFile, ImageOps
 
-from latentforge.errors import ConfigError
+from latentforge.errors import Problems
 
 # Rejection reasons (the keys of summary.json's "rejected"). Sources add their own read errors.
 REASONS = (
@@ -69,14 +69,19 @@ class FilterConfig:
     dedup: bool = field(default=True, metadata={"help": "reject exact duplicates (same source image bytes)"})
 
     def validate(self) -> None:
+        problems = Problems()
         if self.min_side != "auto" and self.min_side < 0:
-            raise ConfigError("min_side: must be >= 0 (0 = off) or auto")
+            problems.add(f"min_side: must be >= 0, got {self.min_side}; 0 = off, or auto")
         if self.max_aspect != "auto" and self.max_aspect and self.max_aspect < 1:
-            raise ConfigError("max_aspect: must be >= 1 (long side / short side), 0 for off, or auto")
-        if self.min_caption_chars < 0 or self.max_caption_chars < 0:
-            raise ConfigError("min_caption_chars: must be >= 0")
-        if self.max_caption_chars and self.max_caption_chars < self.min_caption_chars:
-            raise ConfigError("max_caption_chars: must be >= min_caption_chars")
+            problems.add(f"max_aspect: must be >= 1 (long side / short side), got {self.max_aspect}; 0 = off, or auto")
+        if self.min_caption_chars < 0:
+            problems.add(f"min_caption_chars: must be >= 0, got {self.min_caption_chars}; 0 = keep empty captions")
+        if self.max_caption_chars < 0:
+            problems.add(f"max_caption_chars: must be >= 0, got {self.max_caption_chars}; 0 = off")
+        elif self.max_caption_chars and self.max_caption_chars < self.min_caption_chars:
+            problems.add(f"max_caption_chars: {self.max_caption_chars} is below min_caption_chars "
+                         f"{self.min_caption_chars}; raise it, or 0 = off")
+        problems.raise_if_any()
 
 
 @dataclass
@@ -96,16 +101,19 @@ class ImageConfig:
     )
 
     def validate(self) -> None:
+        problems = Problems()
         if self.resolution < 8:
-            raise ConfigError("resolution: must be >= 8")
+            problems.add(f"resolution: must be >= 8, got {self.resolution}; the image side in px, e.g. 256")
         if self.bucket_step < 8 or self.bucket_step % 8:
-            raise ConfigError("bucket_step: must be a positive multiple of 8")
-        if self.crop == "buckets" and self.resolution % self.bucket_step:
-            raise ConfigError(f"resolution: {self.resolution} is not a multiple of bucket_step {self.bucket_step}")
+            problems.add(f"bucket_step: must be a positive multiple of 8, got {self.bucket_step}; e.g. 64")
+        elif self.crop == "buckets" and self.resolution >= 8 and self.resolution % self.bucket_step:
+            problems.add(f"resolution: {self.resolution} is not a multiple of bucket_step {self.bucket_step}; "
+                         "change one of them")
         if not 1 <= self.quality <= 100:
-            raise ConfigError("quality: must be in 1..100")
+            problems.add(f"quality: must be in 1..100, got {self.quality}; e.g. 95")
         if self.bucket_max_aspect < 1:
-            raise ConfigError("bucket_max_aspect: must be >= 1")
+            problems.add(f"bucket_max_aspect: must be >= 1 (long side / short side), got {self.bucket_max_aspect}")
+        problems.raise_if_any()
 
 
 @dataclass

@@ -41,7 +41,7 @@ from latentforge.data.imageproc import (
     size_limits,
 )
 from latentforge.data.sources import SourceConfig, WorkUnit, iter_records, plan_units
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import Problems, UserError
 
 PARTS = "parts"
 PLAN = "ingest_plan.json"
@@ -58,10 +58,12 @@ class IngestConfig:
     row_group_size: int = field(default=256, metadata={"help": "rows per parquet row group in the shards"})
 
     def validate(self) -> None:
+        problems = Problems()
         if self.num_workers < 0:
-            raise ConfigError("num_workers: must be >= 0 (0 = one per CPU core)")
+            problems.add(f"num_workers: must be >= 0, got {self.num_workers}; 0 = one per CPU core")
         if self.row_group_size < 1:
-            raise ConfigError("row_group_size: must be >= 1")
+            problems.add(f"row_group_size: must be >= 1, got {self.row_group_size}; rows per parquet row group")
+        problems.raise_if_any()
 
 
 def _fingerprint(obj: Any) -> str:

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from latentforge import storage
 from latentforge.data import order
 from latentforge.data.schema import EMPTY_PROMPT, DatasetIndex, ShardInfo, parse_ndarray, read_index
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import ConfigError, Problems, UserError
 
 __all__ = [
     "StreamConfig",
@@ -67,10 +67,12 @@ class StreamConfig:
         "help": "share of the samples drawn from this dataset, relative to the other datasets' weights"})
 
     def validate(self) -> None:
+        problems = Problems()
         if not self.path:
-            raise ConfigError("path: required: a dataset directory (local or s3://) with index.json")
+            problems.add("path: required; a dataset directory (local or s3://) with index.json")
         if not self.weight > 0:
-            raise ConfigError(f"weight: must be > 0, got {self.weight}")
+            problems.add(f"weight: must be > 0, got {self.weight}; the dataset's share in the mix (1 = equal)")
+        problems.raise_if_any()
 
 
 @dataclass
@@ -100,25 +102,25 @@ class LoaderConfig:
                 "epoch, or read as a smaller batch (one rank, no accumulation); see data/buckets.py"})
 
     def validate(self) -> None:
+        problems = Problems()
         # An empty list is valid in a recipe (commands fill it in); open_dataset refuses it.
         for i, ds in enumerate(self.datasets):
-            try:
-                ds.validate()
-            except ConfigError as e:
-                raise ConfigError(f"datasets[{i}].{e}") from None
+            problems.nested(f"datasets[{i}]", ds)
         if not 0.0 <= self.caption_dropout < 1.0:
-            raise ConfigError(f"caption_dropout: must be in [0, 1), got {self.caption_dropout}")
+            problems.add(f"caption_dropout: must be in [0, 1), got {self.caption_dropout}; 0.1 is usual, 0 = off")
         if self.shuffle_window_shards < 1:
-            raise ConfigError(f"shuffle_window_shards: must be >= 1, got {self.shuffle_window_shards}")
+            problems.add(f"shuffle_window_shards: must be >= 1, got {self.shuffle_window_shards}; "
+                         "shards shuffled together")
         if self.mix_block < max(1, len(self.datasets)):
-            raise ConfigError(f"mix_block: {self.mix_block} is less than the number of datasets "
-                              f"({len(self.datasets)})")
+            problems.add(f"mix_block: {self.mix_block} is less than the number of datasets "
+                         f"({len(self.datasets)}); raise it")
         if self.num_workers < 0:
-            raise ConfigError(f"num_workers: must be >= 0, got {self.num_workers}")
+            problems.add(f"num_workers: must be >= 0, got {self.num_workers}; 0 = read in the training process")
         if self.prefetch_factor < 1:
-            raise ConfigError(f"prefetch_factor: must be >= 1, got {self.prefetch_factor}")
+            problems.add(f"prefetch_factor: must be >= 1, got {self.prefetch_factor}; batches read ahead per worker")
         if not self.cache_limit_gb > 0:
-            raise ConfigError(f"cache_limit_gb: must be > 0, got {self.cache_limit_gb}")
+            problems.add(f"cache_limit_gb: must be > 0, got {self.cache_limit_gb}; the shard cache's size in GB")
+        problems.raise_if_any()
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:

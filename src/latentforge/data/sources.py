@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator
 
 from latentforge import storage
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import Problems, UserError
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 TAR_EXTS = (".tar", ".tar.gz", ".tgz")
@@ -103,16 +103,18 @@ class SourceConfig:
                 "Paths outside the source (../x, /etc/x, another bucket) are rejected either way"})
 
     def validate(self) -> None:
+        problems = Problems()
         for name in ("image_column", "caption_column"):
             if getattr(self, name) == "":
-                raise ConfigError(f"{name}: empty; give a column name or null to detect it")
+                problems.add(f"{name}: empty; give a column name or null to detect it")
         if self.folder_chunk < 1:
-            raise ConfigError("folder_chunk: must be >= 1")
+            problems.add(f"folder_chunk: must be >= 1, got {self.folder_chunk}")
         if self.parquet_unit_rows < 0:
-            raise ConfigError("parquet_unit_rows: must be >= 0 (0 = one unit per file)")
+            problems.add(f"parquet_unit_rows: must be >= 0, got {self.parquet_unit_rows}; 0 = one unit per file")
         ext = self.caption_ext.lower()
         if not re.fullmatch(r"\.[a-z0-9_]+", ext) or ext in IMAGE_EXTS or ext == ".json":
-            raise ConfigError(f"caption_ext: {self.caption_ext!r} is not a plain extension like .txt")
+            problems.add(f"caption_ext: {self.caption_ext!r} is not a plain extension; use one like .txt")
+        problems.raise_if_any()
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,19 @@ from a checkpoint reproduces our samples for the same seed:
 5. with the pipeline's default ``guidance_rescale=0`` no guidance rescaling (Lin et al. 2023) is
    done, and none is done here.
 
+The same loop runs a flow-matching model with diffusers' flow schedulers (timesteps are then
+sigma * num_train_timesteps; FlowMatchEulerDiscreteScheduler's are float32, the flow
+DPM-Solver's int64; the model's output is the velocity, which the scheduler integrates).
+
 One difference is deliberate and optional: the pipeline never passes an ``encoder_attention_mask``
 to the U-Net (SD's CLIP states attend over all 77 positions, padding included). This loop passes
 one only when given one. A model trained with masks is therefore sampled here with masks, but an
 exported pipeline would sample it without them and give different images.
+
+The diffusion transformer's pipeline (``PixArtAlphaPipeline``) runs the same loop with three
+differences, all handled here: it passes the caption masks (uncond first, as the states), expands
+the timestep to the batch (the denoiser's ``forward`` does), and with a single step it keeps the
+scheduler's predicted clean latents (``scheduler.step(...)[1]``) rather than the next sample.
 """
 
 from __future__ import annotations
@@ -28,9 +37,10 @@ import inspect
 from typing import Sequence
 
 import torch
-from diffusers import UNet2DConditionModel
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
+
+from latentforge.models.denoiser import denoiser_of
 
 __all__ = ["cfg_combine", "sample_latents"]
 
@@ -42,7 +52,7 @@ def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch
 
 @torch.no_grad()
 def sample_latents(
-    unet: UNet2DConditionModel,
+    unet: torch.nn.Module,
     scheduler: SchedulerMixin,
     cond_hidden: torch.Tensor,
     uncond_hidden: torch.Tensor | None,
@@ -62,7 +72,7 @@ def sample_latents(
     (batch, latent_channels, height, width) in latent pixels. ``encoder_attention_mask`` is
     ``(uncond_mask, cond_mask)``, each (batch, seq) with 1 for tokens to attend to.
     ``device``/``dtype`` default to the U-Net's. ``eta`` is DDIM's eta (0 = deterministic DDIM).
-    Pass a U-Net in eval mode. The scheduler is reset by ``set_timesteps``, so it can be reused
+    ``unet`` is any denoiser of ``models/denoiser.py`` (a U-Net or a transformer), in eval mode. The scheduler is reset by ``set_timesteps``, so it can be reused
     for the next call, but not shared by two loops at once.
     """
     device = torch.device(device) if device is not None else unet.device
@@ -79,7 +89,7 @@ def sample_latents(
                 f"uncond_hidden: shape {tuple(uncond_hidden.shape)} differs from cond_hidden's "
                 f"{tuple(cond_hidden.shape)}; pad both to the same sequence length"
             )
-    if unet.config.time_cond_proj_dim is not None:
+    if getattr(unet.config, "time_cond_proj_dim", None) is not None:
         raise ValueError("unet: guidance-embedding U-Nets (time_cond_proj_dim set) are not supported here")
 
     # The pipeline casts the prompt embeddings to the text encoder's (or the U-Net's) dtype, and
@@ -96,7 +106,9 @@ def sample_latents(
 
     scheduler.set_timesteps(num_steps, device=device)
     latents = randn_tensor(tuple(shape), generator=generator, device=device, dtype=dtype)
-    latents = latents * scheduler.init_noise_sigma
+    # Flow-matching schedulers start at sigma = 1, unit-variance noise. FlowMatchEulerDiscreteScheduler
+    # has no init_noise_sigma (StableDiffusionPipeline fails on it there; the flow DPM-Solver has 1.0).
+    latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)
 
     step_params = set(inspect.signature(scheduler.step).parameters)
     step_kwargs = {}
@@ -105,12 +117,15 @@ def sample_latents(
     if "generator" in step_params:
         step_kwargs["generator"] = generator
 
+    denoiser = denoiser_of(unet)
+    last = 1 if denoiser.single_step_returns_x0 and num_steps == 1 else 0
     for t in scheduler.timesteps:
         model_input = torch.cat([latents] * 2) if do_guidance else latents
-        model_input = scheduler.scale_model_input(model_input, t)
-        pred = unet(model_input, t, encoder_hidden_states=hidden, encoder_attention_mask=mask, return_dict=False)[0]
+        if hasattr(scheduler, "scale_model_input"):  # as the pipeline does: flow schedulers have none
+            model_input = scheduler.scale_model_input(model_input, t)
+        pred = denoiser.forward(unet, model_input, t, hidden, mask)
         if do_guidance:
             pred_uncond, pred_cond = pred.chunk(2)
             pred = cfg_combine(pred_uncond, pred_cond, guidance_scale)
-        latents = scheduler.step(pred, t, latents, **step_kwargs, return_dict=False)[0]
+        latents = scheduler.step(pred, t, latents, **step_kwargs, return_dict=False)[last]
     return latents

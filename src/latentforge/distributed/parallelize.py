@@ -1,9 +1,11 @@
-"""Apply data parallelism and the memory/speed options to a built U-Net, apart from the model code.
+"""Apply data parallelism and the memory/speed options to a built denoiser, apart from the model code.
 
 The order follows torchtitan's ``parallelize``: attention processor, low-precision norms,
 activation checkpointing per block, ``torch.compile`` per block, then DDP around the whole model
-or FSDP2 ``fully_shard`` per U-Net block (``down_blocks[i]``, ``mid_block``, ``up_blocks[i]``)
-and finally the root (conv_in, time embedding, conv_out and the output norm).
+or FSDP2 ``fully_shard`` per block (the denoiser's ``blocks``: for the U-Net ``down_blocks[i]``,
+``mid_block``, ``up_blocks[i]``; for the transformer each of ``transformer_blocks``) and finally the
+root (the U-Net's conv_in, time embedding, conv_out and output norm; the transformer's patch
+embedding, adaLN-single, caption projection and output layer).
 
 None of these wrappers renames a parameter: checkpointing and compilation replace the block's
 ``forward`` attribute instead of wrapping the module (no ``_checkpoint_wrapped_module.`` or
@@ -51,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from latentforge.distributed.env import World
-from latentforge.errors import ConfigError
+from latentforge.errors import ConfigError, Problems
 
 __all__ = ["ParallelConfig", "parallelize", "resolve_strategy", "unet_blocks", "needs_single_rank_group"]
 
@@ -87,21 +89,27 @@ class ParallelConfig:
                 "without autocast (fp32 training) it changes nothing"})
 
     def validate(self) -> None:
+        # Field names relative to this section (train.parallel); all problems at once.
+        problems = Problems()
         if self.strategy != "fsdp" and self.mixed_precision != "fp32":
-            raise ConfigError(f"parallel.mixed_precision: {self.mixed_precision} is FSDP2's parameter dtype and needs "
-                              f"parallel.strategy=fsdp (got {self.strategy}); for ddp or none set "
-                              "train.precision=bf16 (autocast) instead")
+            problems.add(f"mixed_precision: {self.mixed_precision} is FSDP2's parameter dtype and needs "
+                         f"parallel.strategy=fsdp (got {self.strategy}); for ddp or none remove it and set "
+                         "train.precision=bf16 (autocast) instead")
         if self.cpu_offload and self.strategy != "fsdp":
-            raise ConfigError(f"parallel.cpu_offload: is FSDP2's CPU offload and needs parallel.strategy=fsdp "
-                              f"(got {self.strategy}); it also runs on a single GPU")
+            problems.add(f"cpu_offload: is FSDP2's CPU offload and needs parallel.strategy=fsdp "
+                         f"(got {self.strategy}); set strategy fsdp (it also runs on a single GPU) or remove it")
         if self.strategy != "fsdp" and self.reshard_after_forward:
-            raise ConfigError(f"parallel.reshard_after_forward: only applies to parallel.strategy=fsdp "
-                              f"(got {self.strategy}): remove it or use fsdp")
+            problems.add(f"reshard_after_forward: only applies to parallel.strategy=fsdp "
+                         f"(got {self.strategy}); remove it or use fsdp")
+        problems.raise_if_any()
 
 
 def resolve_strategy(cfg: ParallelConfig, world_size: int) -> Literal["none", "ddp", "fsdp"]:
     """The strategy actually used on ``world_size`` ranks (see ``ParallelConfig.strategy``)."""
-    cfg.validate()
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise e.prefixed("train.parallel") from None
     if world_size == 1 and needs_single_rank_group(cfg):
         return "fsdp"  # offloading needs FSDP2 even without peers to shard with
     if world_size == 1:
@@ -202,7 +210,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     if cfg.low_precision_norms:
         log.info("low-precision norms: %d GroupNorm/LayerNorm layers run in the autocast dtype",
                  use_low_precision_norms(model))
-    blocks = unet_blocks(model)
+    from latentforge.models.denoiser import denoiser_of
+
+    blocks = denoiser_of(model).blocks(model)
     for block in blocks:
         if cfg.activation_checkpointing:
             block.forward = _checkpointed(block.forward)
@@ -233,7 +243,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp,
                     offload_policy=offload)
-    # The root's own parameters are small (conv_in/out, time embedding); its gathered parameters are
+    # The root's own parameters are small (input/output layers, time embedding); its gathered parameters are
     # needed right at the start of the backward pass, so it keeps them (as torchtitan does).
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
 

@@ -45,7 +45,7 @@ from typing import Any, Iterator
 
 from latentforge import checkpoint as ckpt
 from latentforge import storage
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import Problems, UserError
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +80,18 @@ class RayConfig:
         "help": "object store size of a local instance in GB (1e9 bytes); Ray's default is 30% of RAM"})
 
     def validate(self) -> None:
+        problems = Problems()
         if self.num_workers < 1:
-            raise ConfigError(f"num_workers: must be >= 1, got {self.num_workers}")
+            problems.add(f"num_workers: must be >= 1, got {self.num_workers}")
         if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
-            raise ConfigError(f"gpus_per_worker: must be >= 0, got {self.gpus_per_worker}")
+            problems.add(f"gpus_per_worker: must be >= 0, got {self.gpus_per_worker}")
         if self.cpus_per_worker is not None and not self.cpus_per_worker > 0:
-            raise ConfigError(f"cpus_per_worker: must be > 0, got {self.cpus_per_worker}")
+            problems.add(f"cpus_per_worker: must be > 0, got {self.cpus_per_worker}")
         if self.max_failures < -1:
-            raise ConfigError(f"max_failures: must be >= 0 (or -1 = without limit), got {self.max_failures}")
+            problems.add(f"max_failures: must be >= 0 (or -1 = without limit), got {self.max_failures}")
         if not self.object_store_gb >= 0.1:
-            raise ConfigError(f"object_store_gb: must be >= 0.1 (Ray needs about 75 MB), got {self.object_store_gb}")
+            problems.add(f"object_store_gb: must be >= 0.1 (Ray needs about 75 MB), got {self.object_store_gb}")
+        problems.raise_if_any()
 
 
 def _import_ray():

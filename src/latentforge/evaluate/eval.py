@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from latentforge import storage
 from latentforge.config import save_config, to_dict
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import Problems, UserError
 from latentforge.evaluate import metrics
 from latentforge.evaluate.features import INCEPTION_FEATURES, EncoderExtractor, InceptionExtractor, load_clip
 from latentforge.evaluate.inputs import ReferenceSet, load_prompts, load_reference
@@ -91,24 +91,26 @@ class EvalConfig:
                 "default ~/.cache/latentforge/eval"})
 
     def validate(self) -> None:
+        problems = Problems()
         if not self.guidance_scales:
-            raise ConfigError("guidance_scales: give at least one scale")
+            problems.add("guidance_scales: empty; give at least one scale, e.g. [1, 2, 4, 8]")
         if any(g < 0 for g in self.guidance_scales):
-            raise ConfigError(f"guidance_scales: must be >= 0, got {self.guidance_scales}")
+            problems.add(f"guidance_scales: must be >= 0, got {self.guidance_scales}")
         if len(set(self.guidance_scales)) != len(self.guidance_scales):
-            raise ConfigError(f"guidance_scales: duplicates in {self.guidance_scales}")
+            problems.add(f"guidance_scales: duplicates in {self.guidance_scales}")
         for name in ("num_steps", "batch_size", "kid_subsets"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1")
+                problems.add(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.kid_subset_size < 2:
-            raise ConfigError("kid_subset_size: must be >= 2")
+            problems.add(f"kid_subset_size: must be >= 2, got {self.kid_subset_size}")
         for name in ("num_images", "max_reference"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0 (0 = all)")
+                problems.add(f"{name}: must be >= 0, got {getattr(self, name)}; 0 = all")
         if self.inception_feature not in INCEPTION_FEATURES:
-            raise ConfigError(f"inception_feature: must be one of {', '.join(map(str, INCEPTION_FEATURES))}")
+            problems.add(f"inception_feature: must be one of {', '.join(map(str, INCEPTION_FEATURES))}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"device: auto, cpu or cuda, got {self.device!r}")
+            problems.add(f"device: unknown {self.device!r}; use auto, cpu, cuda or cuda:N")
+        problems.raise_if_any()
 
 
 def _device(name: str) -> torch.device:
@@ -143,11 +145,14 @@ def load_generator(cfg: EvalConfig, device: torch.device) -> tuple[Callable[[lis
             raise UserError(f"{cfg.checkpoint}: cannot load the diffusers pipeline ({first})") from None
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
+        from latentforge.export.diffusers_pipeline import pipeline_call_kwargs
+
+        call = pipeline_call_kwargs(cfg.checkpoint)  # an exported transformer's PixArtAlphaPipeline settings
 
         def run(prompts: list[str], seed: int, guidance: float) -> list[Image.Image]:
             gen = torch.Generator(device=device).manual_seed(seed)
             return pipe(list(prompts), num_inference_steps=cfg.num_steps, guidance_scale=guidance, generator=gen,
-                        output_type="pil").images
+                        output_type="pil", **call).images
 
         return run, {"kind": "diffusers", "path": str(Path(cfg.checkpoint).resolve()),
                      "scheduler": type(pipe.scheduler).__name__}

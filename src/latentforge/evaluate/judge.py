@@ -32,7 +32,7 @@ from torch import nn
 from tqdm import tqdm
 
 from latentforge.data.synth import COLORS, POSITIONS, SHAPES, SIZES
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import Problems, UserError
 
 NONE = "none"  # the verdict of a rejected or unsure attribute
 ATTRIBUTES = ("color", "shape", "size", "position")
@@ -59,13 +59,18 @@ class JudgeConfig:
     seed: int = field(default=0, metadata={"help": "initialisation, augmentation and non-shape seed"})
 
     def validate(self) -> None:
+        problems = Problems()
         if not 0.0 <= self.floor < 1.0:
-            raise ConfigError(f"floor: must be in [0, 1), got {self.floor}")
+            problems.add(f"floor: must be in [0, 1), got {self.floor}")
         for name in ("blur_prob", "resample_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
-        if self.epochs < 1 or self.batch_size < 1 or self.width < 1 or self.num_nonshapes < 0:
-            raise ConfigError("epochs: epochs, batch_size and width must be >= 1, num_nonshapes >= 0")
+                problems.add(f"{name}: must be in [0, 1], got {getattr(self, name)}")
+        for name in ("epochs", "batch_size", "width"):
+            if getattr(self, name) < 1:
+                problems.add(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_nonshapes < 0:
+            problems.add(f"num_nonshapes: must be >= 0, got {self.num_nonshapes}; 0 = no non-shape images")
+        problems.raise_if_any()
 
 
 class Judge(nn.Module):

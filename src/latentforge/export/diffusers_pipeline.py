@@ -1,4 +1,5 @@
-"""Export a training checkpoint as a diffusers ``StableDiffusionPipeline`` directory.
+"""Export a training checkpoint as a diffusers pipeline directory: ``StableDiffusionPipeline`` for a
+U-Net, ``PixArtAlphaPipeline`` for the diffusion transformer (the denoiser's ``pipeline_class``).
 
 The directory holds unet (EMA weights by default), vae, text_encoder, tokenizer, scheduler and
 model_index.json, all weights in safetensors, and loads offline with
@@ -7,6 +8,13 @@ exactly what training saw: the tokenizer's ``model_max_length`` is the length ca
 encoded at, and the text encoder's config says ``use_attention_mask`` as the encode step ran it
 (the pipeline then passes the padding mask, or not, the same way).
 
+A transformer's pipeline is called as ``pipe(prompts, use_resolution_binning=False,
+clean_caption=False, max_sequence_length=N)`` to reproduce ``latentforge sample``: its resolution
+binning knows only PixArt's own sizes (it refuses other sample sizes), caption cleaning (with
+``bs4``/``ftfy`` installed) rewrites prompts the training captions never were, and ``N`` is the
+length captions were encoded at (written to ``latentforge_export.json`` as ``call``). It always
+passes the padding mask to the text encoder, so a run encoded without it is not exported.
+
 A LoRA fine-tuning run (``train.lora``) exports either this full pipeline with the adapters
 merged into the base U-Net (``fuse_lora``), or with ``lora_file=True`` only the adapter file
 ``pytorch_lora_weights.safetensors`` (``StableDiffusionPipeline.save_lora_weights``), which
@@ -14,6 +22,11 @@ merged into the base U-Net (``fuse_lora``), or with ``lora_file=True`` only the 
 
 The directory is written under a temporary name next to ``out_dir`` and renamed into place when
 complete, so an interrupted export leaves no half-written pipeline under the final name.
+
+A flow-matching run (``train.noise.prediction_type: flow_matching``) is exported with
+DPMSolverMultistepScheduler on flow sigmas (``--scheduler ddim``: first order, the Euler step;
+``dpm++``: second order), with the shift of the U-Net's sample size: StableDiffusionPipeline
+cannot run FlowMatchEulerDiscreteScheduler (``euler``), which has no ``init_noise_sigma``.
 """
 
 from __future__ import annotations
@@ -23,15 +36,18 @@ import os
 import shutil
 from pathlib import Path
 
-from latentforge.diffusion.schedule import make_sampler
+from latentforge.diffusion.flow_matching import FLOW_MATCHING
+from latentforge.diffusion.schedule import check_scheduler_objective, make_sampler
 from latentforge.errors import UserError
 from latentforge.inference import load_components, load_run_files, resolve_checkpoint, run_dir_of
+from latentforge.models.denoiser import denoiser_for
 
 
 def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool = True,
                     scheduler: str = "ddim", lora_file: bool = False) -> Path:
     """Write the pipeline of ``checkpoint`` (a checkpoint or run directory) to the new ``out_dir``;
     ``lora_file``: write only the LoRA adapter file of a LoRA run."""
+    import diffusers
     from diffusers import StableDiffusionPipeline
 
     out = Path(out_dir)
@@ -42,10 +58,22 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
     is_lora = cfg.train.lora is not None
     if lora_file and not is_lora:
         raise UserError(f"{path}: not a LoRA run (train.lora is unset): export the full pipeline instead")
+    denoiser = denoiser_for(cfg.train)
+    pipeline_class = getattr(diffusers, denoiser.pipeline_class)
     if meta["vae"].get("shift_factor"):
-        raise UserError("export: the run's VAE has a shift_factor, which StableDiffusionPipeline ignores when "
+        raise UserError(f"export: the run's VAE has a shift_factor, which {denoiser.pipeline_class} ignores when "
                         "decoding (it decodes latents / scaling_factor): the pipeline could not reproduce this model")
+    if cfg.train.noise.prediction_type == FLOW_MATCHING and scheduler == "euler":
+        raise UserError(f"export: {denoiser.pipeline_class} cannot run FlowMatchEulerDiscreteScheduler (it has no "
+                        "init_noise_sigma, diffusers 0.42): export this flow_matching model with --scheduler ddim "
+                        "(the same Euler step on DPM-Solver's flow sigmas) or dpm++")
+    if denoiser.uses_text_mask and not meta["text_encoder"].get("attention_mask", True):
+        raise UserError(f"export: the run's captions were encoded without the padding mask, which "
+                        f"{denoiser.pipeline_class} always passes to the text encoder: re-encode with it")
     comps = load_components(path, use_ema=use_ema)
+    # The pipeline samples at the U-Net's sample_size by default: the flow shift of that latent size.
+    sampler = make_sampler(scheduler, comps.noise, comps.unet.config.sample_size)
+    check_scheduler_objective(sampler, comps.noise)
     lora_state = None
     if is_lora:
         from latentforge.train.finetune import lora_state_for_diffusers
@@ -57,17 +85,24 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
     # comps.text_model.config.use_attention_mask is the encode step's (load_encoders set it): the
     # pipeline passes the padding mask exactly when the training data was encoded with it.
     comps.tokenizer.model_max_length = comps.max_length
-    pipe = StableDiffusionPipeline(
-        vae=comps.vae, text_encoder=comps.text_model, tokenizer=comps.tokenizer, unet=comps.unet,
-        scheduler=make_sampler(scheduler, comps.noise), safety_checker=None, feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    if pipeline_class is StableDiffusionPipeline:
+        pipe = StableDiffusionPipeline(
+            vae=comps.vae, text_encoder=comps.text_model, tokenizer=comps.tokenizer, unet=comps.unet,
+            scheduler=sampler, safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        call = {}
+    else:
+        pipe = pipeline_class(vae=comps.vae, text_encoder=comps.text_model, tokenizer=comps.tokenizer,
+                              transformer=comps.unet, scheduler=sampler)
+        call = {"use_resolution_binning": False, "clean_caption": False, "max_sequence_length": comps.max_length}
     final = out.resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)  # from an earlier failed export of this process
     try:
-        record = {"checkpoint": str(path), "weights": comps.weights, "scheduler": scheduler}
+        record = {"checkpoint": str(path), "weights": comps.weights, "scheduler": scheduler,
+                  "pipeline": denoiser.pipeline_class, "call": call}
         if lora_file:
             tmp.mkdir()
             # The adapter config goes into the file's metadata: without it load_lora_weights assumes
@@ -86,3 +121,15 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def pipeline_call_kwargs(export_dir: str | Path) -> dict:
+    """The arguments a pipeline exported here must be called with to reproduce ``latentforge sample``
+    (``call`` in ``latentforge_export.json``; none for a Stable Diffusion pipeline or another directory)."""
+    record = Path(export_dir) / "latentforge_export.json"
+    if not record.is_file():
+        return {}
+    try:
+        return dict(json.loads(record.read_text()).get("call") or {})
+    except (ValueError, AttributeError, TypeError):
+        return {}

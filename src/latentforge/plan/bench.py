@@ -145,6 +145,7 @@ def _synthetic_batches(shapes, micro: int, seed: int):
     while True:
         yield {"latent_mean": torch.randn(latent, generator=g), "latent_std": torch.full(latent, 0.1),
                "text_hidden": torch.randn((micro, shapes.text_len, shapes.text_dim), generator=g),
+               "text_mask": torch.ones((micro, shapes.text_len), dtype=torch.uint8),
                "_position": list(range(position, position + micro))}
         position += micro
 
@@ -152,7 +153,8 @@ def _synthetic_batches(shapes, micro: int, seed: int):
 def run_bench(recipe, steps: int = 10, warmup: int = 2, synthetic: bool | None = None,
               progress: bool = True) -> dict[str, Any]:
     """Time every phase of ``recipe`` (see the module docstring); returns what ``bench`` writes."""
-    from latentforge.train.run import latent_meta, pick_device, resolve_unet_config
+    from latentforge.models.denoiser import denoiser_for
+    from latentforge.train.run import latent_meta, pick_device, resolve_model_config
     from latentforge.train.trainer import Trainer
 
     if steps < 1 or warmup < 0:
@@ -181,14 +183,14 @@ def run_bench(recipe, steps: int = 10, warmup: int = 2, synthetic: bool | None =
             from latentforge.data.loader import build_loader
             from latentforge.data.schema import parse_ndarray, read_index
 
-            unet_cfg = resolve_unet_config(train.unet, meta)
+            unet_cfg = denoiser_for(resolve_model_config(train, meta)).cfg
             index = read_index(phase.datasets[0].path)
             _, size, _ = parse_ndarray(index.columns["latent_mean"])[1]
             shapes = replace(shapes, latent_size=size,
                              text_len=parse_ndarray(index.columns["text_hidden"])[1][0])
         # A constant LR: the schedule's shape costs nothing, and a short bench cannot hold its warmup.
         optim = replace(train.optim, schedule="constant", warmup_steps=0)
-        one = replace(train, unet=unet_cfg, micro_batch_size=micro, global_batch_size=0, loggers=[], optim=optim,
+        one = replace(train, **{denoiser_for(train).config_field: unet_cfg}, micro_batch_size=micro, global_batch_size=0, loggers=[], optim=optim,
                       phases=[replace(phase, steps=steps + warmup, samples=0, micro_batch_size=micro,
                                       global_batch_size=0)])
         memory = PeakMemory(device)
@@ -250,10 +252,10 @@ def run_bench(recipe, steps: int = 10, warmup: int = 2, synthetic: bool | None =
     }
 
 
-def build_model(unet_cfg, device: torch.device) -> torch.nn.Module:
-    from latentforge.models.unet import build_unet
+def build_model(model_cfg, device: torch.device) -> torch.nn.Module:
+    from latentforge.plan.flops import as_denoiser
 
-    model = build_unet(unet_cfg).to(device)
+    model = as_denoiser(model_cfg).build().to(device)
     model.train()
     return model
 

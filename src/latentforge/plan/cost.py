@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import Problems, UserError
 from latentforge.plan.flops import GPU_PEAK_FLOPS
 
 # Device memory in GB (1e9 bytes) as sold, for the memory planner's "does it fit".
@@ -62,25 +62,28 @@ class PlanConfig:
     precision: str = field(default="bf16", metadata={"help": "precision of the MFU's peak: bf16, fp16, tf32 or fp32"})
 
     def validate(self) -> None:
-        check_gpu(self.gpu)
+        problems = Problems()
+        if self.gpu not in GPU_PEAK_FLOPS:
+            problems.add(f"gpu: unknown {self.gpu!r}; choose one of {', '.join(GPU_PEAK_FLOPS)}")
         if not self.gpus or any(n < 1 for n in self.gpus):
-            raise ConfigError(f"gpus: every GPU count must be >= 1, got {self.gpus}")
+            problems.add(f"gpus: every GPU count must be >= 1, got {self.gpus}")
         if not self.price_per_gpu_hour >= 0:
-            raise ConfigError(f"price_per_gpu_hour: must be >= 0, got {self.price_per_gpu_hour}")
+            problems.add(f"price_per_gpu_hour: must be >= 0, got {self.price_per_gpu_hour}")
         for res, v in self.img_per_s_per_gpu.items():
             if not str(res).isdigit() or int(res) < 1 or not v > 0:
-                raise ConfigError(f"img_per_s_per_gpu: throughputs must be > 0 at a resolution >= 1, got {res}: {v}")
+                problems.add(f"img_per_s_per_gpu: throughputs must be > 0 at a resolution >= 1, got {res}: {v}")
         for n, e in self.scaling_efficiency.items():
             if not str(n).isdigit() or int(n) < 1 or not 0 < e <= 1:
-                raise ConfigError(f"scaling_efficiency: efficiencies must be in (0, 1] at GPU counts >= 1, got {n}: {e}")
+                problems.add(f"scaling_efficiency: efficiencies must be in (0, 1] at GPU counts >= 1, got {n}: {e}")
         if not 0 < self.goodput <= 1:
-            raise ConfigError(f"goodput: must be in (0, 1], got {self.goodput}")
+            problems.add(f"goodput: must be in (0, 1], got {self.goodput}")
         if self.num_images < 0:
-            raise ConfigError(f"num_images: must be >= 0, got {self.num_images}")
+            problems.add(f"num_images: must be >= 0, got {self.num_images}")
         if not self.encode_img_per_s_per_gpu > 0:
-            raise ConfigError(f"encode_img_per_s_per_gpu: must be > 0, got {self.encode_img_per_s_per_gpu}")
+            problems.add(f"encode_img_per_s_per_gpu: must be > 0, got {self.encode_img_per_s_per_gpu}")
         if self.precision not in ("bf16", "fp16", "tf32", "fp32"):
-            raise ConfigError(f"precision: one of bf16, fp16, tf32, fp32, got {self.precision!r}")
+            problems.add(f"precision: one of bf16, fp16, tf32, fp32, got {self.precision!r}")
+        problems.raise_if_any()
 
 
 @dataclass

@@ -13,10 +13,10 @@ import time
 from functools import lru_cache
 
 import torch
-from diffusers import UNet2DConditionModel
-from torch.utils.flop_counter import FlopCounterMode
 
-from latentforge.models.unet import UNetConfig, build_unet
+from latentforge.models.denoiser import Denoiser, DiTDenoiser, UNetDenoiser, denoiser_from_config
+from latentforge.models.dit import DiTConfig
+from latentforge.models.unet import UNetConfig
 
 # Dense peak throughput per device, FLOP/s, from the vendors' data sheets (no sparsity).
 GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -33,22 +33,32 @@ GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
 }
 
 
+def as_denoiser(cfg: UNetConfig | DiTConfig | dict | Denoiser) -> Denoiser:
+    """A denoiser from a typed config, a diffusers ``config.json`` dict (its ``_class_name``;
+    a U-Net without one) or a denoiser itself."""
+    if isinstance(cfg, Denoiser):
+        return cfg
+    if isinstance(cfg, UNetConfig):
+        return UNetDenoiser(cfg)
+    if isinstance(cfg, DiTConfig):
+        return DiTDenoiser(cfg)
+    return denoiser_from_config(cfg)
+
+
+def forward_flops(cfg: UNetConfig | DiTConfig | dict | Denoiser, latent_size: int, text_len: int) -> int:
+    """Forward FLOPs of one image through the denoiser of ``cfg``, counted on the meta device."""
+    return as_denoiser(cfg).forward_flops(latent_size, text_len)
+
+
 def unet_forward_flops(cfg: UNetConfig | dict, latent_size: int, text_len: int) -> int:
     """Forward FLOPs of one image through the U-Net of ``cfg`` (a UNetConfig or a diffusers
     ``config.json`` dict), counted on the meta device."""
-    with torch.device("meta"):
-        model = build_unet(cfg) if isinstance(cfg, UNetConfig) else UNet2DConditionModel.from_config(cfg)
-        x = torch.empty(1, model.config.in_channels, latent_size, latent_size)
-        hidden = torch.empty(1, text_len, model.config.cross_attention_dim)
-        counter = FlopCounterMode(display=False)
-        with counter:
-            model(x, torch.tensor([1]), encoder_hidden_states=hidden)
-    return int(counter.get_total_flops())
+    return forward_flops(cfg, latent_size, text_len)
 
 
-def train_flops_per_image(cfg: UNetConfig | dict, latent_size: int, text_len: int) -> int:
+def train_flops_per_image(cfg: UNetConfig | DiTConfig | dict | Denoiser, latent_size: int, text_len: int) -> int:
     """Model FLOPs of one training image: 3x the forward."""
-    return 3 * unet_forward_flops(cfg, latent_size, text_len)
+    return 3 * forward_flops(cfg, latent_size, text_len)
 
 
 @lru_cache(maxsize=None)

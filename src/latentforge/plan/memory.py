@@ -1,4 +1,4 @@
-"""Peak device memory of a U-Net training step, and the largest micro batch that fits.
+"""Peak device memory of a denoiser (U-Net or transformer) training step, and the largest micro batch that fits.
 
 The peak is the sum of what lives across a step once gradients are being accumulated (the
 second micro batch of an accumulating step holds all of it at once)::
@@ -44,6 +44,15 @@ copy for the reduce-scatter (before they are copied to the host); and the activa
 U-Net whose parameters are bf16 with ``bf16-weights``). 8-bit AdamW is refused
 under FSDP: bitsandbytes' kernel does not take DTensor parameters.
 
+LoRA (``lora_rank`` > 0, ``train.lora``): the U-Net's base weights are frozen in
+``frozen_dtype`` (4 B/param, or 2 with bfloat16) and only the adapters (L parameters, fp32) have
+gradients, AdamW state and an EMA: ``N x frozen + L x (4 + 4 + 8 + 4)``. The activations are
+measured the same way with the adapters added (peft, on the meta device) and the base frozen, so
+that what autograd keeps for a frozen layer (its input only where an adapter or a later trained
+weight needs it) is what is counted (adapter dropout, which keeps a mask and a copy of each
+adapter input, is not: the profile runs without it). LoRA runs are not sharded (no FSDP, no CPU
+offload).
+
 On a GPU the planner adds an allowance it does not model: the caching allocator's fragmentation
 (+10% of the above) and 1 GiB for the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers.
 Device sizes are the marketing "GB", which are GiB on these cards (an "80 GB" A100 has 80 GiB).
@@ -61,8 +70,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from latentforge.errors import ConfigError
-from latentforge.models.unet import UNetConfig, unet_diffusers_config
+from latentforge.errors import ConfigError, Problems
+from latentforge.models.dit import DiTConfig
+from latentforge.models.unet import UNetConfig
 
 GIB = 1 << 30
 FRAGMENTATION = 0.10  # caching-allocator overhead on CUDA, fraction of the modelled bytes
@@ -73,8 +83,9 @@ CUDA_CONTEXT_BYTES = 1 * GIB  # context + library workspaces + NCCL, outside max
 class MemoryConfig:
     """One training set-up whose peak device memory is predicted."""
 
-    unet: UNetConfig | dict[str, Any] = field(default_factory=lambda: UNetConfig(preset="sd2-base"), metadata={
-        "help": "the U-Net: a preset config, or a pipeline's unet/config.json dict"})
+    unet: UNetConfig | DiTConfig | dict[str, Any] = field(default_factory=lambda: UNetConfig(preset="sd2-base"),
+                                                          metadata={
+        "help": "the denoiser: a U-Net or transformer preset config, or a pipeline's config.json dict"})
     latent_size: int = field(default=64, metadata={"help": "latent side (image side / VAE factor)"})
     text_len: int = field(default=77, metadata={"help": "caption tokens"})
     micro_batch_size: int = field(default=1, metadata={"help": "samples per rank per forward pass"})
@@ -88,17 +99,35 @@ class MemoryConfig:
     ema: Literal["same", "cpu", "off"] = field(default="same", metadata={"help": "where the EMA lives"})
     cpu_offload: bool = field(default=False, metadata={
         "help": "FSDP2 CPU offload: weights, gradients, optimizer state and EMA in host memory"})
+    lora_rank: int = field(default=0, metadata={
+        "help": "LoRA adapters of this rank on a frozen U-Net (train.lora.rank); 0 = every weight is trained"})
+    lora_target_modules: tuple[str, ...] = field(default=("to_q", "to_k", "to_v", "to_out.0"), metadata={
+        "help": "module name suffixes that get adapters (train.lora.target_modules)"})
+    frozen_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
+        "help": "dtype of a LoRA run's frozen base weights (train.frozen_dtype)"})
 
     def validate(self) -> None:
+        problems = Problems()
         for name in ("latent_size", "text_len", "micro_batch_size", "world_size"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+                problems.add(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.cpu_offload and self.parallel == "ddp":
-            raise ConfigError("cpu_offload: is FSDP2's CPU offload: use parallel fsdp-full (one block gathered at a "
-                              "time) or fsdp-grad-op, or turn the offload off (--no-cpu-offload)")
+            problems.add("cpu_offload: is FSDP2's CPU offload: use parallel fsdp-full (one block gathered at a "
+                         "time) or fsdp-grad-op, or turn the offload off (--no-cpu-offload)")
         if self.optimizer == "adamw8bit" and self.parallel != "ddp":
-            raise ConfigError(f"optimizer: adamw8bit does not run on FSDP2's sharded parameters ({self.parallel}): "
-                              "use adamw")
+            problems.add(f"optimizer: adamw8bit does not run on FSDP2's sharded parameters ({self.parallel}); "
+                         "use adamw")
+        if self.lora_rank < 0:
+            problems.add(f"lora_rank: must be >= 0, got {self.lora_rank}; 0 = full training")
+        if self.lora_rank and self.parallel != "ddp":
+            problems.add(f"parallel: {self.parallel}: LoRA runs are not sharded; use ddp")
+        if self.lora_rank and self.precision == "bf16-weights":
+            problems.add("precision: bf16-weights is FSDP2's bf16 parameters, which a LoRA run does not use; use bf16 "
+                         "(autocast) and frozen_dtype bfloat16")
+        if self.frozen_dtype != "float32" and not self.lora_rank:
+            problems.add(f"frozen_dtype: {self.frozen_dtype} is for a LoRA run's frozen weights; set lora_rank or "
+                         "use float32")
+        problems.raise_if_any()
 
 
 class _GPUStandIns(TorchFunctionMode):
@@ -150,17 +179,37 @@ class _FusedAttention(torch.autograd.Function):
         raise NotImplementedError
 
 
-@lru_cache(maxsize=64)
-def _activation_profile(unet_json: str, latent_size: int, text_len: int, precision: str) -> dict[str, int]:
-    """Saved-activation bytes of one image through the U-Net (see the module docstring)."""
-    unet_kwargs = json.loads(unet_json)
-    from diffusers import UNet2DConditionModel
+def _add_lora(model: torch.nn.Module, lora_json: str) -> None:
+    """Freeze ``model`` (its base in the frozen dtype) and add fp32 LoRA adapters, as
+    ``train.finetune.build_finetune_unet`` does, on the model's (meta) device."""
+    from peft import LoraConfig
 
+    lora = json.loads(lora_json)
+    model.requires_grad_(False)
+    if lora["frozen_dtype"] == "bfloat16":
+        torch.nn.Module.to(model, torch.bfloat16)
+    model.add_adapter(LoraConfig(r=lora["rank"], lora_alpha=lora["rank"], init_lora_weights="gaussian",
+                                 target_modules=list(lora["target_modules"])))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+
+
+@lru_cache(maxsize=64)
+def _activation_profile(model_json: str, latent_size: int, text_len: int, precision: str,
+                        lora_json: str = "") -> dict[str, int]:
+    """Saved-activation bytes of one image through the denoiser (see the module docstring);
+    ``lora_json``: the frozen base and adapters of a LoRA run (:func:`_add_lora`), "" = none."""
+    from latentforge.models.denoiser import denoiser_from_config
+
+    den = denoiser_from_config(json.loads(model_json))
     param_dtype = torch.bfloat16 if precision == "bf16-weights" else torch.float32
     with torch.device("meta"):
-        model = UNet2DConditionModel(**unet_kwargs)
+        model = den.build()
         if param_dtype != torch.float32:
             torch.nn.Module.to(model, param_dtype)  # diffusers' own .to warns about fp32 modules it has none of
+        if lora_json:
+            _add_lora(model, lora_json)
         params = {p.untyped_storage()._cdata for p in model.parameters()}
         saved: dict[int, int] = {}
         mode = _GPUStandIns(torch.bfloat16 if precision == "bf16" else None)
@@ -171,7 +220,7 @@ def _activation_profile(unet_json: str, latent_size: int, text_len: int, precisi
                 saved[key] = t.untyped_storage().nbytes()
             return t
 
-        blocks = [*model.down_blocks, model.mid_block, *model.up_blocks]
+        blocks = den.blocks(model)
         block_keys: list[list[int]] = []
         inputs: dict[int, int] = {}
         marks: list[int] = []
@@ -188,10 +237,11 @@ def _activation_profile(unet_json: str, latent_size: int, text_len: int, precisi
 
         handles = [h for b in blocks for h in (b.register_forward_pre_hook(pre, with_kwargs=True),
                                                b.register_forward_hook(post, with_kwargs=True))]
-        x = torch.empty(1, unet_kwargs["in_channels"], latent_size, latent_size)
-        hidden = torch.empty(1, text_len, unet_kwargs["cross_attention_dim"])
+        x = torch.empty(1, model.config.in_channels, latent_size, latent_size)
+        hidden = torch.empty(1, text_len, den.text_dim)
+        mask = torch.ones(1, text_len) if den.uses_text_mask else None
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
-            out = model(x.to(param_dtype), torch.tensor([1]), encoder_hidden_states=hidden.to(param_dtype)).sample
+            out = den.forward(model, x.to(param_dtype), torch.tensor([1]), hidden.to(param_dtype), mask)
         for h in handles:
             h.remove()
         copies = {c.untyped_storage()._cdata: c.untyped_storage().nbytes() for c in mode.weight_copies.values()}
@@ -204,43 +254,71 @@ def _activation_profile(unet_json: str, latent_size: int, text_len: int, precisi
             "weight_copies": sum(copies.values())}
 
 
-def unet_kwargs(unet: UNetConfig | dict[str, Any]) -> dict[str, Any]:
-    """UNet2DConditionModel's arguments: from a preset config, or a pipeline's ``unet/config.json``."""
-    if isinstance(unet, dict):
-        import inspect
+def unet_kwargs(unet: UNetConfig | DiTConfig | dict[str, Any]) -> dict[str, Any]:
+    """The denoiser's constructor arguments: from a preset config, or a pipeline's ``config.json``."""
+    from latentforge.plan.flops import as_denoiser
 
-        from diffusers import UNet2DConditionModel
-
-        accepted = inspect.signature(UNet2DConditionModel.__init__).parameters
-        return {k: v for k, v in unet.items() if k in accepted}
-    return unet_diffusers_config(unet)
+    return as_denoiser(unet).diffusers_config()
 
 
-def activation_profile(unet: UNetConfig | dict[str, Any], latent_size: int, text_len: int,
-                       precision: str) -> dict[str, int]:
-    return _activation_profile(json.dumps(unet_kwargs(unet), sort_keys=True), latent_size, text_len,
-                               precision)
+def _model_json(model: UNetConfig | DiTConfig | dict[str, Any]) -> str:
+    """The denoiser's class and constructor arguments as one JSON string (the caches' key)."""
+    from latentforge.plan.flops import as_denoiser
+
+    den = as_denoiser(model)
+    return json.dumps({"_class_name": den.model_class_name, **den.diffusers_config()}, sort_keys=True)
+
+
+def activation_profile(unet: UNetConfig | DiTConfig | dict[str, Any], latent_size: int, text_len: int,
+                       precision: str, lora_json: str = "") -> dict[str, int]:
+    return _activation_profile(_model_json(unet), latent_size, text_len, precision, lora_json)
+
+
+def _lora_json(cfg: MemoryConfig) -> str:
+    if not cfg.lora_rank:
+        return ""
+    return json.dumps({"rank": cfg.lora_rank, "target_modules": list(cfg.lora_target_modules),
+                       "frozen_dtype": cfg.frozen_dtype}, sort_keys=True)
 
 
 @lru_cache(maxsize=64)
-def _param_counts(unet_json: str) -> tuple[int, int]:
-    """(parameters, parameters of the largest down/mid/up block) of a U-Net, on the meta device."""
-    from diffusers import UNet2DConditionModel
+def _lora_parameter_count(model_json: str, lora_json: str) -> int:
+    """Parameters of the LoRA adapters of a denoiser (what a LoRA run trains), on the meta device."""
+    from latentforge.models.denoiser import denoiser_from_config
 
     with torch.device("meta"):
-        model = UNet2DConditionModel(**json.loads(unet_json))
-    blocks = [*model.down_blocks, model.mid_block, *model.up_blocks]
+        model = denoiser_from_config(json.loads(model_json)).build()
+        _add_lora(model, lora_json)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def lora_parameter_count(cfg: MemoryConfig) -> int:
+    """The trained (adapter) parameters of ``cfg``'s LoRA set-up; 0 without LoRA."""
+    lora_json = _lora_json(cfg)
+    return _lora_parameter_count(_model_json(cfg.unet), lora_json) if lora_json else 0
+
+
+@lru_cache(maxsize=64)
+def _param_counts(model_json: str) -> tuple[int, int]:
+    """(parameters, parameters of the largest block) of a denoiser, on the meta device."""
+    from latentforge.models.denoiser import denoiser_from_config
+
+    den = denoiser_from_config(json.loads(model_json))
+    with torch.device("meta"):
+        model = den.build()
     return (sum(p.numel() for p in model.parameters()),
-            max(sum(p.numel() for p in b.parameters()) for b in blocks))
+            max(sum(p.numel() for p in b.parameters()) for b in den.blocks(model)))
 
 
 def estimate_memory(cfg: MemoryConfig) -> dict[str, Any]:
     """The peak memory breakdown of ``cfg`` in bytes (see the module docstring); ``total`` is their
     sum, what ``torch.cuda.max_memory_allocated`` would show."""
     cfg.validate()
-    n, largest_block = _param_counts(json.dumps(unet_kwargs(cfg.unet), sort_keys=True))
+    n, largest_block = _param_counts(_model_json(cfg.unet))
     if cfg.cpu_offload:
         return _estimate_offloaded(cfg, n, largest_block)
+    if cfg.lora_rank:
+        return _estimate_lora(cfg, n)
     w = cfg.world_size
     shard_grads = cfg.parallel in ("fsdp-grad-op", "fsdp-full") and w > 1
     shard_params = cfg.parallel == "fsdp-full" and w > 1
@@ -263,7 +341,33 @@ def estimate_memory(cfg: MemoryConfig) -> dict[str, Any]:
     }
     out = {k: int(v) for k, v in out.items()}
     out["total"] = sum(out.values())
+    out["parameters"] = out["trained_parameters"] = n
+    out["activations_per_sample"] = act
+    return out
+
+
+def _estimate_lora(cfg: MemoryConfig, n: int) -> dict[str, Any]:
+    """:func:`estimate_memory` of a LoRA run (see the module docstring): the frozen base, and the
+    gradients, optimizer state and EMA of the adapters only; never sharded."""
+    n_lora = lora_parameter_count(cfg)
+    frozen_bytes = 2 if cfg.frozen_dtype == "bfloat16" else 4
+    # autocast's bf16 copies of the fp32 weights (frozen fp32 base and adapters), measured in the profile
+    prof = activation_profile(cfg.unet, cfg.latent_size, cfg.text_len, cfg.precision, _lora_json(cfg))
+    act = prof["activations_checkpointed" if cfg.activation_checkpointing else "activations"]
+    out = {
+        "weights": n * frozen_bytes + n_lora * 4,
+        "weight_copies": prof["weight_copies"],
+        "gradients": n_lora * 4,
+        "ddp_buckets": n_lora * 4 if cfg.world_size > 1 else 0,
+        "optimizer": n_lora * (8 if cfg.optimizer == "adamw" else 2),
+        "ema": n_lora * 4 if cfg.ema == "same" else 0,
+        "activations": act * cfg.micro_batch_size,
+        "fsdp_gather": 0,
+    }
+    out = {k: int(v) for k, v in out.items()}
+    out["total"] = sum(out.values())
     out["parameters"] = n
+    out["trained_parameters"] = n_lora
     out["activations_per_sample"] = act
     return out
 
@@ -300,6 +404,7 @@ def _estimate_offloaded(cfg: MemoryConfig, n: int, largest_block: int) -> dict[s
             "host_ema": 0 if cfg.ema == "off" else 4 * n / w}
     out.update({k: int(v) for k, v in host.items()})
     out["host_total"] = sum(out[k] for k in HOST_PARTS)
+    out["trained_parameters"] = n
     return out
 
 
@@ -327,10 +432,17 @@ def format_memory(cfg: MemoryConfig, est: dict[str, Any], device_gib: float | No
     def gib(b: float) -> str:
         return f"{b / GIB:8.2f} GiB"
 
-    lines = [f"memory: U-Net {getattr(cfg.unet, 'preset', 'from a pipeline')} ({est['parameters']:,} parameters), latents {cfg.latent_size}x"
+    from latentforge.plan.flops import as_denoiser
+
+    what = {"unet": "U-Net", "dit": "transformer"}.get(as_denoiser(cfg.unet).kind, "denoiser")
+    lines = [f"memory: {what} {getattr(cfg.unet, 'preset', 'from a pipeline')} ({est['parameters']:,} parameters), "
+             f"latents {cfg.latent_size}x"
              f"{cfg.latent_size}, micro batch {cfg.micro_batch_size}, {cfg.precision}, {cfg.parallel} x "
              f"{cfg.world_size}, activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
              f"{cfg.optimizer}, EMA {cfg.ema}{', CPU offload' if cfg.cpu_offload else ''}"]
+    if cfg.lora_rank:
+        lines[0] += (f", LoRA rank {cfg.lora_rank} on {', '.join(cfg.lora_target_modules)} "
+                     f"({est['trained_parameters']:,} trained parameters), frozen base {cfg.frozen_dtype}")
     for key in ("weights", "weight_copies", "gradients", "ddp_buckets", "optimizer", "ema", "activations",
                 "fsdp_gather"):
         if est[key]:
@@ -381,6 +493,11 @@ def train_memory_setup(t, cpu_offload: bool | None = None, autocast: bool = True
     reshard_after_forward), CPU offload (``cpu_offload`` overrides it), activation checkpointing,
     precision (``autocast``: whether the run computes in bf16), optimizer and EMA placement."""
     par = replace(t.parallel, cpu_offload=t.parallel.cpu_offload if cpu_offload is None else cpu_offload)
+    if t.lora is not None:  # replicated, autocast over the frozen base (validation refuses FSDP2 for LoRA)
+        return {"parallel": "ddp", "cpu_offload": False, "activation_checkpointing": par.activation_checkpointing,
+                "precision": "bf16" if autocast else "fp32", "optimizer": t.optim.name,
+                "ema": "off" if t.ema is None else t.ema.device, "lora_rank": t.lora.rank,
+                "lora_target_modules": tuple(t.lora.target_modules), "frozen_dtype": t.frozen_dtype}
     if par.strategy == "fsdp":
         parallel = "fsdp-full" if par.reshard_after_forward else "fsdp-grad-op"
     else:
@@ -396,12 +513,12 @@ def train_memory_setup(t, cpu_offload: bool | None = None, autocast: bool = True
 
 def resolve_auto_micro_batch(cfg, latent_shapes: list[tuple[int, int]], device: torch.device, world_size: int,
                              budget: tuple[int, bool, str] | None = None,
-                             unet: UNetConfig | dict[str, Any] | None = None):
+                             unet: UNetConfig | DiTConfig | dict[str, Any] | None = None):
     """``cfg`` (a TrainConfig with ``micro_batch_size: auto``) with each phase's micro batch set to
     the largest that fits ``budget`` (default :func:`device_memory_budget`) and divides the
     phase's per-rank global batch, so the global batch is kept by gradient accumulation.
-    ``latent_shapes``: (latent side, caption tokens) per phase; ``unet``: the U-Net's shape when it
-    is not ``cfg.unet`` (a fine-tuned pipeline's). The set-up (parallelism, CPU offload, activation
+    ``latent_shapes``: (latent side, caption tokens) per phase; ``unet``: the denoiser's shape when it
+    is not the one ``cfg.model`` selects (a fine-tuned pipeline's U-Net). The set-up (parallelism, CPU offload, activation
     checkpointing, optimizer, EMA) is the run's own."""
     import logging
 
@@ -410,7 +527,10 @@ def resolve_auto_micro_batch(cfg, latent_shapes: list[tuple[int, int]], device: 
     device_bytes, allowance, how = budget or device_memory_budget(device)
     autocast = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     setup = train_memory_setup(cfg, autocast=autocast)
-    unet = unet or cfg.unet
+    if unet is None:
+        from latentforge.models.denoiser import denoiser_for
+
+        unet = denoiser_for(cfg).cfg
     phases = []
     for i, (p, (size, text_len)) in enumerate(zip(cfg.phases, latent_shapes)):
         if p.micro_batch_size:
@@ -443,9 +563,10 @@ SHA256_BYTES_PER_S = 1.7e9
 
 
 def checkpoint_bytes(cfg: MemoryConfig, parameters: int) -> int:
-    """Bytes of one training checkpoint of ``parameters`` U-Net parameters: fp32 model, EMA (unless
-    off) and the optimizer state (AdamW: two fp32 moments; 8-bit AdamW: two 1-byte moments), all
-    ranks together. FSDP2 checkpoints add the consolidated fp32 model and EMA beside the DCP shards."""
+    """Bytes of one training checkpoint of ``parameters`` trained U-Net parameters (a LoRA run's
+    adapters only): fp32 model, EMA (unless off) and the optimizer state (AdamW: two fp32 moments;
+    8-bit AdamW: two 1-byte moments), all ranks together. FSDP2 checkpoints add the consolidated
+    fp32 model and EMA beside the DCP shards."""
     ema = 0 if cfg.ema == "off" else 4
     opt = 8 if cfg.optimizer == "adamw" else 2
     per_param = 4 + ema + opt

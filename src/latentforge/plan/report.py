@@ -92,7 +92,7 @@ def memory_report(recipe: "Recipe", cfg: cost.PlanConfig, *, resolution: int | N
     name = f"{gpu_memory:g} GB" if gpu_memory else cfg.gpu
     est = estimate_memory(mem)
     return (format_memory(mem, est, gpu_memory or cost.GPU_MEMORY_GB[cfg.gpu], name) + "\n"
-            + checkpoint_line(mem, est["parameters"], recipe.train.interrupt.grace_seconds))
+            + checkpoint_line(mem, est["trained_parameters"], recipe.train.interrupt.grace_seconds))
 
 
 def checkpoint_line(mem, parameters: int, grace_seconds: float) -> str:

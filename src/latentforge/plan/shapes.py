@@ -4,16 +4,19 @@
 exists: the image resolution of the phase (``phases[i].resolution``, else the ingest resolution),
 the VAE's down-sampling factor (8 for a pretrained SD VAE named in ``encode.vae``; 2^(levels-1)
 for the VAE ``train-vae`` builds from ``vae.model`` when ``encode.vae`` is empty), the latent
-channels and text width the U-Net expects, and the caption length ``encode.max_length``.
+channels and text width the denoiser (``train.model``) expects, and the caption length
+``encode.max_length``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from latentforge.errors import ConfigError
-from latentforge.models.unet import UNetConfig, unet_diffusers_config
+from latentforge.models.denoiser import denoiser_for
+from latentforge.models.dit import DiTConfig
+from latentforge.models.unet import UNetConfig
 from latentforge.plan.cost import Phase
 
 if TYPE_CHECKING:
@@ -42,25 +45,24 @@ def phase_shapes(recipe: "Recipe") -> list[PhaseShapes]:
     train = recipe.train
     if not train.phases:
         raise ConfigError("train.phases: empty: add at least one phase")
-    unet = unet_diffusers_config(train.unet)
-    channels = unet["in_channels"] if train.unet.in_channels or recipe.encode.vae else recipe.vae.model.latent_channels
+    den = denoiser_for(train)
+    channels = den.latent_channels if den.cfg.in_channels or recipe.encode.vae else recipe.vae.model.latent_channels
     factor = vae_factor(recipe)
     out = []
     for i, p in enumerate(train.phases):
         res = p.resolution or recipe.ingest.image.resolution
         if res % factor:
             raise ConfigError(f"train.phases[{i}].resolution: {res} px is not divisible by the VAE factor {factor}")
+        den.check_latent_size(res // factor, f"latent side of train.phases[{i}] ({res} px)")
         out.append(PhaseShapes(p.name or f"phase{i}", res, channels, res // factor,
-                               recipe.encode.max_length or 77, unet["cross_attention_dim"]))
+                               recipe.encode.max_length or 77, den.text_dim))
     return out
 
 
-def unet_for(recipe: "Recipe", shapes: PhaseShapes) -> UNetConfig:
-    """The recipe's U-Net config with its data-determined fields filled in from ``shapes``."""
-    u = recipe.train.unet
-    return replace(u, in_channels=u.in_channels or shapes.latent_channels,
-                   out_channels=u.out_channels or shapes.latent_channels,
-                   cross_attention_dim=u.cross_attention_dim or shapes.text_dim)
+def unet_for(recipe: "Recipe", shapes: PhaseShapes) -> UNetConfig | DiTConfig:
+    """The config of the recipe's denoiser (``train.model``; the name is historical) with its
+    data-determined fields filled in from ``shapes``."""
+    return denoiser_for(recipe.train).with_data(shapes.latent_channels, shapes.latent_size, shapes.text_dim).cfg
 
 
 def recipe_phases(recipe: "Recipe", with_flops: bool = True) -> list[Phase]:

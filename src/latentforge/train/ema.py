@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from latentforge.checkpoint import clean_state_dict_keys
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import Problems, UserError
 
 __all__ = ["EMAConfig", "EMA"]
 
@@ -43,10 +43,12 @@ class EMAConfig:
     )
 
     def validate(self) -> None:
+        problems = Problems()
         if not 0 < self.decay < 1:
-            raise ConfigError(f"decay: must be in (0, 1), got {self.decay}")
+            problems.add(f"decay: must be in (0, 1), got {self.decay}")
         if self.start_step < 0:
-            raise ConfigError(f"start_step: must be >= 0, got {self.start_step}")
+            problems.add(f"start_step: must be >= 0, got {self.start_step}; 0 = average from the first step")
+        problems.raise_if_any()
 
 
 def _parameters(model: torch.nn.Module, trainable_only: bool = False) -> tuple[list[str], list[torch.Tensor]]:

@@ -27,7 +27,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from latentforge.diffusion.schedule import NoiseScheduleConfig
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import ConfigError, Problems, UserError
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +71,16 @@ class LoRAConfig:
     dropout: float = field(default=0.0, metadata={"help": "dropout on the adapter input"})
 
     def validate(self) -> None:
+        problems = Problems()
         if self.rank < 1:
-            raise ConfigError(f"rank: must be >= 1, got {self.rank}")
+            problems.add(f"rank: must be >= 1, got {self.rank}; 4 to 64 is usual")
         if self.alpha < 0:
-            raise ConfigError(f"alpha: must be >= 0 (0 = rank), got {self.alpha}")
+            problems.add(f"alpha: must be >= 0, got {self.alpha}; 0 = rank (adapter scale 1)")
         if not self.target_modules:
-            raise ConfigError("target_modules: empty: name the modules that get adapters, e.g. [to_q, to_v]")
+            problems.add("target_modules: empty; name the modules that get adapters, e.g. [to_q, to_k, to_v, to_out.0]")
         if not 0 <= self.dropout < 1:
-            raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
+            problems.add(f"dropout: must be in [0, 1), got {self.dropout}; 0 = none")
+        problems.raise_if_any()
 
     def peft_config(self) -> Any:
         from peft import LoraConfig
@@ -116,6 +118,10 @@ def open_base(path: str | Path) -> BasePipeline:
     if not base.is_dir():
         raise UserError(f"{path}: no such directory (init_from needs a local diffusers pipeline directory)")
     index = _read_json(base / "model_index.json", base, "the pipeline index")
+    if isinstance(index.get("transformer"), list) and "unet" not in index:
+        # e.g. an exported train.model=dit run (PixArtAlphaPipeline): another family than the U-Net's.
+        raise UserError(f"{base}: a {index.get('_class_name')} with a {index['transformer'][-1]}: init_from "
+                        "fine-tunes the U-Net of a Stable Diffusion pipeline; a transformer is not turned into one")
     missing = [c for c in _COMPONENTS if not isinstance(index.get(c), list) or index[c][0] is None]
     if missing:
         raise UserError(f"{base}: model_index.json names no {', '.join(missing)}: fine-tuning needs a "
@@ -141,9 +147,17 @@ def base_noise_config(base: BasePipeline, configured: NoiseScheduleConfig) -> No
     if s.get("trained_betas") is not None:
         raise UserError(f"{base.path}/scheduler: trained_betas (an explicit beta list) is not supported")
     defaults = NoiseScheduleConfig()
-    values = {ours: s[theirs] for theirs, ours in _SCHEDULER_KEYS.items() if s.get(theirs) is not None}
-    values.setdefault("timestep_spacing", "leading")  # diffusers' default when the key is absent
-    values.setdefault("prediction_type", "epsilon")
+    if s.get("_class_name") == "FlowMatchEulerDiscreteScheduler" or s.get("prediction_type") == "flow_prediction":
+        # A flow-matching pipeline (latentforge exports one with DPM-Solver on flow sigmas): its
+        # objective, with the shift it samples with (a shift that grew with the size is not recorded).
+        values = {"prediction_type": "flow_matching", "flow_shift": float(s.get("flow_shift") or s.get("shift") or 1.0)}
+    else:
+        values = {ours: s[theirs] for theirs, ours in _SCHEDULER_KEYS.items() if s.get(theirs) is not None}
+    if values.get("prediction_type") != "flow_matching":
+        values.setdefault("timestep_spacing", "leading")  # diffusers' default when the key is absent
+        values.setdefault("prediction_type", "epsilon")
+    if "num_train_timesteps" in s:
+        values["num_train_timesteps"] = s["num_train_timesteps"]
     try:
         noise = replace(defaults, **values)
         noise.validate()

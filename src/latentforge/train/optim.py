@@ -14,7 +14,7 @@ from typing import Iterable, Literal
 import torch
 from torch.distributed.tensor import DTensor
 
-from latentforge.errors import ConfigError
+from latentforge.errors import ConfigError, Problems
 
 __all__ = ["OptimConfig", "build_optimizer", "build_lr_scheduler", "lr_multiplier", "clip_grad_norm"]
 
@@ -56,21 +56,24 @@ class OptimConfig:
     )
 
     def validate(self) -> None:
+        problems = Problems()
         if not self.lr > 0:
-            raise ConfigError(f"lr: must be > 0, got {self.lr}")
+            problems.add(f"lr: must be > 0, got {self.lr}; e.g. 1e-4 (1e-5 for a full fine-tune)")
         for i, beta in enumerate(self.betas):
             if not 0 <= beta < 1:
-                raise ConfigError(f"betas: beta{i + 1} must be in [0, 1), got {beta}")
+                problems.add(f"betas: beta{i + 1} must be in [0, 1), got {beta}; [0.9, 0.999] is usual")
         if self.weight_decay < 0:
-            raise ConfigError(f"weight_decay: must be >= 0, got {self.weight_decay}")
+            problems.add(f"weight_decay: must be >= 0, got {self.weight_decay}; 0 = none, 0.01 is usual")
         if not self.eps > 0:
-            raise ConfigError(f"eps: must be > 0, got {self.eps}")
+            problems.add(f"eps: must be > 0, got {self.eps}; 1e-8 is usual")
         if self.grad_clip < 0:
-            raise ConfigError(f"grad_clip: must be >= 0 (0 disables clipping), got {self.grad_clip}")
+            problems.add(f"grad_clip: must be >= 0, got {self.grad_clip}; 0 disables clipping, 1.0 is usual")
         if self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+            problems.add(f"warmup_steps: must be >= 0, got {self.warmup_steps}; 0 = no warmup")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+            problems.add(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}; "
+                         "the final LR as a fraction of the peak")
+        problems.raise_if_any()
 
 
 def build_optimizer(

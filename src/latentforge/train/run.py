@@ -1,4 +1,4 @@
-"""``train(config)``: build the U-Net, loaders and trainer from a config and run it.
+"""``train(config)``: build the denoiser, loaders and trainer from a config and run it.
 
 This is the one entry point every launcher calls (a plain process, torchrun, Ray Train). It
 checks the config against the latent datasets (latent channels and size, text hidden size, one
@@ -17,7 +17,6 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
-from diffusers import UNet2DConditionModel
 
 from latentforge import checkpoint as ckpt
 from latentforge.config import save_config
@@ -27,7 +26,8 @@ from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
 from latentforge.evaluate.eval import EvalConfig
 from latentforge.interrupt import StopOnSignal
-from latentforge.models.unet import UNetConfig, build_unet, unet_diffusers_config
+from latentforge.models.denoiser import denoiser_for, denoiser_from_config, denoiser_of
+from latentforge.models.unet import UNetConfig
 from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import parallelize, resolve_strategy
 from latentforge.train import finetune
@@ -102,27 +102,22 @@ def latent_meta(cfg: TrainConfig, source: DataSource | None = None) -> dict[str,
     return first
 
 
-def resolve_unet_config(cfg: UNetConfig, meta: dict[str, Any]) -> UNetConfig:
-    """Fill in the data-determined fields (latent channels and size, text width) and check the rest."""
+def resolve_model_config(cfg: TrainConfig, meta: dict[str, Any], source: DataSource | None = None) -> TrainConfig:
+    """``cfg`` with the denoiser's data-determined fields (latent channels and size, text width)
+    filled in, and checked against every phase's latent size."""
     channels, height, _ = meta["latent_shape"]
-    text_dim = meta["text_shape"][-1]
-    filled = replace(cfg,
-                     in_channels=cfg.in_channels or channels,
-                     out_channels=cfg.out_channels or channels,
-                     sample_size=cfg.sample_size or height,
-                     cross_attention_dim=cfg.cross_attention_dim or text_dim)
-    resolved = unet_diffusers_config(filled)
-    if resolved["in_channels"] != channels or resolved["out_channels"] != channels:
-        raise ConfigError(f"train.unet.in_channels: the latents have {channels} channels, the U-Net "
-                          f"{resolved['in_channels']} in / {resolved['out_channels']} out")
-    if resolved["cross_attention_dim"] != text_dim:
-        raise ConfigError(f"train.unet.cross_attention_dim: {resolved['cross_attention_dim']} but the text encoder's "
-                          f"hidden size is {text_dim}")
-    levels = len(resolved["block_out_channels"])
-    if height % (2 ** (levels - 1)):
-        raise ConfigError(f"train.unet.block_out_channels: {levels} levels need latents divisible by "
-                          f"{2 ** (levels - 1)}, got {height}")
-    return filled
+    denoiser = denoiser_for(cfg).with_data(channels, height, meta["text_shape"][-1])
+    for i, phase in enumerate(cfg.phases):
+        size, _ = _phase_latent_shape(phase, source or DataSource())
+        if size != height:
+            denoiser.check_latent_size(size, f"latent side of train.phases[{i}]")
+    return replace(cfg, **{denoiser.config_field: denoiser.cfg})
+
+
+def resolve_unet_config(cfg: UNetConfig, meta: dict[str, Any]) -> UNetConfig:
+    """Fill in the U-Net's data-determined fields (latent channels and size, text width) and check the rest."""
+    channels, height, _ = meta["latent_shape"]
+    return denoiser_for(TrainConfig(unet=cfg)).with_data(channels, height, meta["text_shape"][-1]).cfg
 
 
 def pick_device(name: str) -> torch.device:
@@ -164,9 +159,9 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
         raise ConfigError(f"train.sampling.every_steps: {tcfg.sampling.every_steps} is not a multiple of "
                           f"train.checkpoint.every_steps={tcfg.checkpoint.every_steps}: under FSDP the grids are "
                           "drawn from the consolidated weights of a checkpoint")
-    if strategy == "fsdp" and tcfg.lora is not None:
-        raise ConfigError("train.parallel.strategy: fsdp does not shard LoRA runs (their trained weights are small): "
-                          "use ddp")
+    if tcfg.lora is not None and not tcfg.init_from:  # FSDP2 and LoRA: refused by TrainConfig.validate
+        raise ConfigError("train.lora: LoRA adapts existing weights; set train.init_from to a diffusers pipeline "
+                          "directory (latentforge finetune --from DIR)")
     base = None
     if tcfg.init_from:
         base = finetune.open_base(tcfg.init_from)
@@ -176,7 +171,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
         _note_resolution(base, meta, tcfg, world)
         tcfg = replace(tcfg, noise=finetune.base_noise_config(base, tcfg.noise))
     else:
-        tcfg = replace(tcfg, unet=resolve_unet_config(tcfg.unet, meta))
+        tcfg = resolve_model_config(tcfg, meta, source)
     device = pick_device(tcfg.device)
     if tcfg.micro_batch_size == "auto":
         from latentforge.plan.memory import resolve_auto_micro_batch
@@ -203,7 +198,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
     if base is not None:
         model = finetune.build_finetune_unet(base, tcfg.lora, getattr(torch, tcfg.frozen_dtype)).to(init_device)
     else:
-        model = build_unet(tcfg.unet).to(init_device)
+        model = denoiser_for(tcfg).build().to(init_device)
     model.train()
     # Wrappers (DDP) and sharding (FSDP2) apply to train_model; `model` stays the plain handle
     # for the optimizer, the EMA and state dicts.
@@ -222,10 +217,12 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
 
     from latentforge.inference import training_sampler
 
+    # The diffusers class, not type(model): FSDP2 has swapped in a subclass (FSDP<class>) by now.
+    model_config = {**dict(model.config), "_class_name": denoiser_of(model).model_class_name}
     sample_fn = training_sampler(tcfg, meta, run) if tcfg.sampling.prompts and world.is_main else None
     if sample_fn is not None and strategy == "fsdp":
-        sample_fn = _from_consolidated(sample_fn, dict(model.config), device)
-    flops, peak = _flops_and_peak(tcfg, device, dict(model.config), source)
+        sample_fn = _from_consolidated(sample_fn, model_config, device)
+    flops, peak = _flops_and_peak(tcfg, device, model_config, source)
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
                       progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint,
                       train_model=train_model, eval_fn=eval_fn, stop=stop)
@@ -246,7 +243,7 @@ def _note_resolution(base: Any, meta: dict[str, Any], cfg: TrainConfig, world: W
 def _from_consolidated(sample_fn: Callable[[Any, int], None], unet_config: dict[str, Any], device: torch.device
                        ) -> Callable[[Any, int], None]:
     """Rank 0 alone cannot run a sharded model (every forward pass all-gathers from all ranks):
-    draw the grid with a plain U-Net holding the EMA (or model) weights of the checkpoint just
+    draw the grid with a plain model holding the EMA (or model) weights of the checkpoint just
     written at this step (one more model copy in rank 0's memory while sampling)."""
 
     def sample(trainer: Any, step: int) -> None:
@@ -254,7 +251,7 @@ def _from_consolidated(sample_fn: Callable[[Any, int], None], unet_config: dict[
         c = ckpt.load_checkpoint(path, verify=False)
         if c.step != step:
             raise RuntimeError(f"sampling at step {step} needs its checkpoint, the newest is {path}")
-        plain = UNet2DConditionModel.from_config(unet_config).to(device)
+        plain = denoiser_from_config(unet_config).build().to(device)
         plain.load_state_dict(c.tensors["ema" if "ema" in c.tensors else "model"])
         view = SimpleNamespace(model=plain, ema=None, device=device)
         sample_fn(view, step)
@@ -271,9 +268,9 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
 
     before = to_dict(load_config(RunConfig, old).train)
     now = to_dict(cfg.train)
-    for key in ("unet", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma", "init_from", "lora"):
+    for key in ("model", "unet", "dit", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma", "init_from", "lora"):
         b, n = before.get(key), now.get(key)
-        if key == "unet":  # data-filled fields were None in the user's config
+        if key in ("unet", "dit"):  # data-filled fields were None in the user's config
             n = {k: (v if v is not None else b.get(k)) for k, v in n.items()}
         if b != n:
             raise UserError(f"{run}: resuming with a different train.{key} than the run was started with "
@@ -292,7 +289,7 @@ def _phase_latent_shape(phase, source: DataSource) -> tuple[int, int]:
     return size, parse_ndarray(index.columns["text_hidden"])[1][0]
 
 
-def _flops_and_peak(cfg: TrainConfig, device: torch.device, unet_config: dict[str, Any],
+def _flops_and_peak(cfg: TrainConfig, device: torch.device, model_config: dict[str, Any],
                     source: DataSource) -> tuple[list[float], float]:
     """Model FLOPs per training image of each phase (its latent size) and the device's peak."""
     from latentforge.plan.flops import device_peak_flops, train_flops_per_image
@@ -300,7 +297,7 @@ def _flops_and_peak(cfg: TrainConfig, device: torch.device, unet_config: dict[st
     flops = []
     for phase in cfg.phases:
         size, text_len = _phase_latent_shape(phase, source)
-        flops.append(float(train_flops_per_image(unet_config, size, text_len)))
+        flops.append(float(train_flops_per_image(model_config, size, text_len)))
     precision = "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda") else "fp32"
     peak, _ = device_peak_flops(device, precision)
     return flops, peak

@@ -1,4 +1,4 @@
-"""The training loop of the latent diffusion U-Net: one readable loop over phases and steps.
+"""The training loop of the latent diffusion denoiser (U-Net or transformer): one readable loop over phases and steps.
 
 The :class:`Trainer` is handed an already-built model and a loader factory; it knows nothing of
 how processes were launched (one process, torchrun or Ray) beyond a :class:`World` with rank and
@@ -36,12 +36,22 @@ from tqdm import tqdm
 
 from latentforge import checkpoint as ckpt
 from latentforge.data.loader import StreamConfig, TrainLoader
+from latentforge.diffusion.flow_matching import (
+    FLOW_MATCHING,
+    flow_noisy,
+    flow_target,
+    flow_timestep,
+    resolution_shift,
+    sample_flow_sigmas,
+)
 from latentforge.diffusion.objectives import add_noise, diffusion_loss, min_snr_weight, training_target
 from latentforge.diffusion.schedule import NoiseScheduleConfig, alphas_cumprod, snr
 from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import ParallelConfig
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import ConfigError, Problem, Problems, UserError
 from latentforge.interrupt import InterruptConfig, StopOnSignal
+from latentforge.models.denoiser import denoiser_of
+from latentforge.models.dit import DiTConfig
 from latentforge.models.unet import UNetConfig
 from latentforge.train.ema import EMA, EMAConfig
 from latentforge.train.finetune import LoRAConfig, load_trainable_state_dict, trainable_state_dict
@@ -69,10 +79,21 @@ class PhaseConfig:
     lr: float = field(default=0.0, metadata={"help": "peak learning rate of this phase; 0 = optim.lr"})
 
     def validate(self) -> None:
-        if self.steps < 0 or self.samples < 0 or self.micro_batch_size < 0 or self.global_batch_size < 0:
-            raise ConfigError("steps: steps, samples and batch sizes must be >= 0")
-        if (self.steps > 0) == (self.samples > 0):
-            raise ConfigError("steps: set exactly one of steps and samples (> 0)")
+        problems = Problems()
+        for name, zero in (("steps", "0 = set samples"), ("samples", "0 = set steps"),
+                           ("micro_batch_size", "0 = train.micro_batch_size"),
+                           ("global_batch_size", "0 = train.global_batch_size")):
+            if getattr(self, name) < 0:
+                problems.add(f"{name}: must be >= 0, got {getattr(self, name)}; {zero}")
+        if self.steps >= 0 and self.samples >= 0 and (self.steps > 0) == (self.samples > 0):
+            problems.add("steps: set exactly one of steps and samples (> 0)")
+        if self.resolution < 0:
+            problems.add(f"resolution: must be >= 0, got {self.resolution}; 0 = the resolution of the latents")
+        if self.lr < 0:
+            problems.add(f"lr: must be >= 0, got {self.lr}; 0 = train.optim.lr")
+        for i, ds in enumerate(self.datasets):
+            problems.nested(f"datasets[{i}]", ds)
+        problems.raise_if_any()
 
 
 @dataclass
@@ -82,8 +103,15 @@ class CheckpointConfig:
     keep_every: int = field(default=0, metadata={"help": "also keep every checkpoint whose step is a multiple of this"})
 
     def validate(self) -> None:
-        if self.every_steps < 1 or self.keep_last < 1 or self.keep_every < 0:
-            raise ConfigError("every_steps: every_steps and keep_last must be >= 1, keep_every >= 0")
+        problems = Problems()
+        if self.every_steps < 1:
+            problems.add(f"every_steps: must be >= 1, got {self.every_steps}; a checkpoint every N steps "
+                         "(and at the end)")
+        if self.keep_last < 1:
+            problems.add(f"keep_last: must be >= 1, got {self.keep_last}; the newest complete checkpoints kept")
+        if self.keep_every < 0:
+            problems.add(f"keep_every: must be >= 0, got {self.keep_every}; 0 = keep no extra checkpoints")
+        problems.raise_if_any()
 
 
 @dataclass
@@ -111,18 +139,26 @@ class TrainEvalConfig:
         "help": "dollars per GPU-hour (per device-hour on CPU), for the logged cost of training and evaluation"})
 
     def validate(self) -> None:
-        if self.every_steps < 0 or self.num_images < 0:
-            raise ConfigError("every_steps: every_steps and num_images must be >= 0")
+        problems = Problems()
+        if self.every_steps < 0:
+            problems.add(f"every_steps: must be >= 0, got {self.every_steps}; 0 = no evaluation during training")
+        if self.num_images < 0:
+            problems.add(f"num_images: must be >= 0, got {self.num_images}; 0 = eval.num_images")
         if not self.price_per_gpu_hour >= 0:
-            raise ConfigError(f"price_per_gpu_hour: must be >= 0, got {self.price_per_gpu_hour}")
+            problems.add(f"price_per_gpu_hour: must be >= 0, got {self.price_per_gpu_hour}; dollars per GPU-hour")
+        problems.raise_if_any()
 
 
 @dataclass
 class TrainConfig:
-    """``latentforge train``: the U-Net, the objective, the optimizer and the phases."""
+    """``latentforge train``: the denoiser, the objective, the optimizer and the phases."""
 
     seed: int = field(default=0, metadata={"help": "seed of the initialisation and of the diffusion noise"})
-    unet: UNetConfig = field(default_factory=UNetConfig, metadata={"help": "the U-Net"})
+    model: Literal["unet", "dit"] = field(default="unet", metadata={
+        "help": "the denoiser: unet (train.unet, SD's U-Net) or dit (train.dit, PixArt-alpha's diffusion transformer)"})
+    unet: UNetConfig = field(default_factory=UNetConfig, metadata={"help": "the U-Net (train.model: unet)"})
+    dit: DiTConfig = field(default_factory=DiTConfig, metadata={
+        "help": "the diffusion transformer (train.model: dit)"})
     noise: NoiseScheduleConfig = field(default_factory=NoiseScheduleConfig, metadata={"help": "the noise schedule"})
     min_snr_gamma: float = field(default=0.0, metadata={"help": "min-SNR-gamma loss weighting; 0 = off (5 is usual)"})
     offset_noise: float = field(default=0.0, metadata={"help": "offset-noise strength; 0 = off (0.05-0.1 is usual)"})
@@ -166,40 +202,90 @@ class TrainConfig:
         "help": "data parallelism (DDP / FSDP2), activation checkpointing, compilation"})
 
     def validate(self) -> None:
+        problems = Problems()
         if self.micro_batch_size == "auto":
             if not self.global_batch_size and not all(p.global_batch_size for p in self.phases):
-                raise ConfigError("micro_batch_size: auto keeps the global batch by accumulation: set global_batch_size")
+                problems.add("micro_batch_size: auto keeps the global batch by accumulation: set global_batch_size")
         elif self.micro_batch_size < 1:
-            raise ConfigError("micro_batch_size: must be >= 1")
+            problems.add(f"micro_batch_size: must be >= 1, got {self.micro_batch_size}; samples per rank per "
+                         "forward pass, or auto")
         if self.global_batch_size < 0:
-            raise ConfigError("global_batch_size: must be >= 0 (0 = micro batch x world size)")
+            problems.add(f"global_batch_size: must be >= 0, got {self.global_batch_size}; 0 = micro batch x world size")
         if self.log_every < 1:
-            raise ConfigError("log_every: must be >= 1")
-        if self.min_snr_gamma < 0 or self.offset_noise < 0:
-            raise ConfigError("min_snr_gamma: min_snr_gamma and offset_noise must be >= 0")
-        self.parallel.validate()
-        try:
-            self.eval.validate()
-        except ConfigError as e:
-            raise ConfigError(f"eval.{e}") from None
-        try:
-            self.interrupt.validate()
-        except ConfigError as e:
-            raise ConfigError(f"interrupt.{e}") from None
-        if self.parallel.strategy == "fsdp" and self.optim.name == "adamw8bit":
+            problems.add(f"log_every: must be >= 1, got {self.log_every}; steps between log lines, e.g. 20")
+        if self.min_snr_gamma < 0:
+            problems.add(f"min_snr_gamma: must be >= 0, got {self.min_snr_gamma}; 0 = off, 5 is usual")
+        if self.offset_noise < 0:
+            problems.add(f"offset_noise: must be >= 0, got {self.offset_noise}; 0 = off, 0.05-0.1 is usual")
+        if self.max_skipped_steps < 0:
+            problems.add(f"max_skipped_steps: must be >= 0, got {self.max_skipped_steps}; the most steps skipped "
+                         "with nonfinite=skip before the run stops")
+        if not self.max_seconds >= 0:
+            problems.add(f"max_seconds: must be >= 0, got {self.max_seconds}; 0 = no time limit")
+        if self.noise.prediction_type == FLOW_MATCHING:
+            # docs/decisions.md §8: what these mean under flow matching, and why they are refused.
+            if self.min_snr_gamma:
+                problems.add("min_snr_gamma: not used with flow_matching, whose loss weighting is the density sigma "
+                             "is drawn from (noise.flow_time_sampling, SD3 sec. 3.1): set 0")
+            if self.offset_noise:
+                problems.add("offset_noise: flow_matching already ends at pure noise (SNR 0 at sigma = 1), the "
+                             "flaw offset noise works around, and sampling starts from N(0, I), not from the "
+                             "offset noise it would train on: set 0")
+            if self.sampling.prompts and self.sampling.sampler == "ddpm":
+                problems.add("sampling.sampler: ddpm has no flow-matching form here; use ddim, dpm++ or euler")
+        # The nested sections are validated by from_dict already (a check reached twice is reported once);
+        # here again for a TrainConfig built in code.
+        for name in ("unet", "dit", "noise", "optim", "checkpoint", "eval", "interrupt", "parallel"):
+            problems.nested(name, getattr(self, name))
+        for name in ("ema", "lora"):
+            if getattr(self, name) is not None:
+                problems.nested(name, getattr(self, name))
+        for i, p in enumerate(self.phases):
+            problems.nested(f"phases[{i}]", p)
+        if self.lora is not None:
+            # init_from may come from `finetune --from DIR`: a recipe without it is valid, train() refuses the run
+            problems.items.extend(lora_parallel_problems(self.parallel))
+        elif self.parallel.strategy == "fsdp" and self.optim.name == "adamw8bit":
             # bitsandbytes' update kernel takes plain tensors; on FSDP2's DTensor parameters (CPU-offloaded
             # or not) it fails with "got mixed torch.Tensor and DTensor" (bitsandbytes 0.50).
-            raise ConfigError("optim.name: adamw8bit does not run on FSDP2's sharded (DTensor) parameters: use adamw "
-                              "(with parallel.cpu_offload its fp32 state lives in host memory) or strategy ddp/none")
-        for i, p in enumerate(self.phases):
-            try:
-                p.validate()
-            except ConfigError as e:
-                raise ConfigError(f"phases[{i}].{e}") from None
-        if self.lora is not None and not self.init_from:
-            raise ConfigError("lora: LoRA adapts existing weights: set train.init_from to a diffusers pipeline directory")
-        if self.frozen_dtype != "float32" and (self.lora is None or self.precision != "bf16"):
-            raise ConfigError("frozen_dtype: bfloat16 base weights need train.lora and precision bf16 (autocast)")
+            problems.add("optim.name: adamw8bit does not run on FSDP2's sharded (DTensor) parameters: use adamw "
+                         "(with parallel.cpu_offload its fp32 state lives in host memory) or strategy ddp/none")
+        if self.frozen_dtype != "float32":
+            if self.lora is None:
+                problems.add(f"frozen_dtype: {self.frozen_dtype} is for the frozen base weights of a LoRA run and "
+                             "train.lora is not set; remove frozen_dtype (a full fine-tune trains every weight in fp32)")
+            elif self.precision != "bf16":
+                problems.add(f"frozen_dtype: bfloat16 base weights need precision bf16 (autocast), got precision "
+                             f"{self.precision}; set train.precision: bf16")
+        if self.model != "unet" and self.init_from:
+            # A fine-tune continues the base pipeline's own U-Net: it cannot become another family.
+            problems.add(f"model: {self.model} cannot fine-tune init_from={self.init_from} (a Stable Diffusion "
+                         "pipeline's U-Net): remove train.model, or train the transformer from scratch")
+        problems.raise_if_any()
+
+
+def lora_parallel_problems(parallel: ParallelConfig) -> list[Problem]:
+    """What a LoRA run cannot use of ``parallel`` (field paths relative to ``train``): FSDP2 and
+    the settings that only FSDP2 has. All of them at once, so that one edit of the recipe fixes
+    them; settings that need FSDP2 without LoRA are reported by ``ParallelConfig`` itself."""
+    problems = Problems()
+    if parallel.strategy != "fsdp":
+        return []
+    problems.add("parallel.strategy: fsdp does not shard LoRA runs (their trained weights are small); use ddp on "
+                 "several ranks or none on one (auto picks it)")
+    # With strategy fsdp ParallelConfig accepts these; once it is changed they would be refused one by one.
+    if parallel.mixed_precision != "fp32":
+        problems.add(f"parallel.mixed_precision: {parallel.mixed_precision} is FSDP2's parameter dtype, which a LoRA "
+                     "run does not use; remove it and set train.precision: bf16 (autocast; train.frozen_dtype: "
+                     "bfloat16 also stores the frozen base in bf16)")
+    if parallel.cpu_offload:
+        problems.add("parallel.cpu_offload: is FSDP2's CPU offload, which a LoRA run does not use; remove it (a LoRA "
+                     "run's gradients and optimizer state are the adapters' only; train.frozen_dtype: bfloat16 "
+                     "halves the frozen base)")
+    if parallel.reshard_after_forward:
+        problems.add("parallel.reshard_after_forward: only applies to parallel.strategy=fsdp, which a LoRA run does "
+                     "not use; remove it")
+    return problems.items
 
 
 def batch_plan(micro: int, global_: int, world_size: int, field_name: str = "train.global_batch_size") -> int:
@@ -243,15 +329,19 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def sample_noise(seed: int, positions: list[int], latent_shape: tuple[int, ...], num_timesteps: int,
-                 offset_noise: float, posterior: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 offset_noise: float, posterior: bool,
+                 draw_time: Callable[[torch.Generator], torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(timesteps, noise, posterior noise) for the samples at global ``positions``, each drawn from
-    its own CPU generator seeded by hash(seed, position): independent of rank count and resume."""
+    its own CPU generator seeded by hash(seed, position): independent of rank count and resume.
+    ``draw_time(generator)``: the time of one sample (flow matching: its sigma, shape (1,)); by
+    default an integer timestep uniform on 0 .. num_timesteps - 1."""
     with np.errstate(over="ignore"):
         keys = _splitmix64(np.asarray(positions, dtype=np.uint64) ^ _splitmix64(np.asarray([seed], dtype=np.uint64)))
     ts, noises, posts = [], [], []
     for key in keys.tolist():
         g = torch.Generator().manual_seed(int(key) & 0x7FFF_FFFF_FFFF_FFFF)
-        ts.append(torch.randint(0, num_timesteps, (1,), generator=g))
+        ts.append(draw_time(g) if draw_time else torch.randint(0, num_timesteps, (1,), generator=g))
         n = torch.randn(latent_shape, generator=g)
         if offset_noise:
             # Guttenberg 2023, "Diffusion with Offset Noise": a per-channel constant shift.
@@ -308,7 +398,8 @@ class Trainer:
         vae = latent_meta["vae"]
         self.scaling_factor = float(vae["scaling_factor"])
         self.shift_factor = float(vae.get("shift_factor") or 0.0)
-        self.alphas_cumprod = alphas_cumprod(cfg.noise).to(self.device)
+        self.flow = cfg.noise.prediction_type == FLOW_MATCHING
+        self.alphas_cumprod = None if self.flow else alphas_cumprod(cfg.noise).to(self.device)
         # A LoRA run checkpoints and averages only what it trains: the base is the init_from directory.
         self.trainable_only = cfg.lora is not None
         self.optimizer = build_optimizer(model.parameters(), cfg.optim, self.device.type)
@@ -319,6 +410,7 @@ class Trainer:
         self.ema = EMA(model, cfg.ema, trainable_only=self.trainable_only) if cfg.ema is not None else None
         # FSDP2 shards the parameters into DTensors in place: checkpoints then go through DCP.
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        self.denoiser = denoiser_of(model)  # how this backbone is called (train_model may wrap it)
         self.step = 0
         self.phase = 0
         self.skipped_steps = 0
@@ -439,19 +531,31 @@ class Trainer:
         cfg = self.cfg
         shape = tuple(batch["latent_mean"].shape[1:])
         t, noise, post = sample_noise(cfg.seed, batch["_position"], shape, cfg.noise.num_train_timesteps,
-                                      cfg.offset_noise, cfg.sample_posterior and "latent_std" in batch)
+                                      cfg.offset_noise, cfg.sample_posterior and "latent_std" in batch,
+                                      self._flow_time(shape) if self.flow else None)
         x0 = self.latents_from_batch(batch, post)
         t, noise = t.to(self.device), noise.to(self.device)
-        x_t = add_noise(x0, noise, t, self.alphas_cumprod)
-        target = training_target(x0, noise, t, self.alphas_cumprod, cfg.noise.prediction_type)
+        if self.flow:  # t is sigma in [0, 1]; the model is given sigma * T (diffusers' convention)
+            x_t, target = flow_noisy(x0, noise, t), flow_target(x0, noise)
+            t = flow_timestep(t, cfg.noise.num_train_timesteps)
+        else:
+            x_t = add_noise(x0, noise, t, self.alphas_cumprod)
+            target = training_target(x0, noise, t, self.alphas_cumprod, cfg.noise.prediction_type)
         hidden = batch["text_hidden"].to(self.device, non_blocking=True)
+        mask = batch["text_mask"].to(self.device, non_blocking=True) if self.denoiser.uses_text_mask else None
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            pred = self.train_model(x_t, t, encoder_hidden_states=hidden.to(self.autocast_dtype or torch.float32),
-                                    return_dict=False)[0]
+            pred = self.denoiser.forward(self.train_model, x_t, t, hidden.to(self.autocast_dtype or torch.float32),
+                                         mask)
         weights = None
         if cfg.min_snr_gamma:
             weights = min_snr_weight(snr(self.alphas_cumprod, t), cfg.min_snr_gamma, cfg.noise.prediction_type)
         return diffusion_loss(pred, target, weights)
+
+    def _flow_time(self, latent_shape: tuple[int, ...]) -> Callable[[torch.Generator], torch.Tensor]:
+        """The draw of one sample's sigma, shifted for this latent size (SD3 sec. 3.1 and 5.3.2)."""
+        n = self.cfg.noise
+        shift = resolution_shift(n.flow_shift, n.flow_shift_base_size, latent_shape[-2], latent_shape[-1])
+        return lambda g: sample_flow_sigmas(1, g, n.flow_time_sampling, n.flow_logit_mean, n.flow_logit_std, shift)
 
     def train_step(self, batches: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """One optimizer step over ``batches`` (the accumulation micro batches)."""

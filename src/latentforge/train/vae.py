@@ -37,7 +37,7 @@ from latentforge import storage
 from latentforge.config import load_config, save_config, to_dict
 from latentforge.data.loader import LoaderConfig, build_loader
 from latentforge.data.schema import read_index, read_shard
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import ConfigError, Problems, UserError
 from latentforge.interrupt import InterruptConfig, StopOnSignal
 from latentforge.models.autoencoder import AutoencoderConfig, build_vae
 from latentforge.train.rng import rng_state, set_rng_state
@@ -75,20 +75,22 @@ class VAETrainConfig:
         "help": "on SIGINT / SIGTERM / a scheduler's warning signal: finish the step, checkpoint, exit 75"})
 
     def validate(self) -> None:
-        if self.steps < 0 or self.max_seconds < 0:
-            raise ConfigError("steps: must be >= 0 (and max_seconds >= 0)")
+        problems = Problems()
+        if self.steps < 0:
+            problems.add(f"steps: must be >= 0, got {self.steps}; 0 = stop on max_seconds only")
+        if self.max_seconds < 0:
+            problems.add(f"max_seconds: must be >= 0, got {self.max_seconds}; 0 = no time limit")
         if self.steps == 0 and self.max_seconds == 0:
-            raise ConfigError("steps: set steps or max_seconds")
+            problems.add("steps: 0 and max_seconds 0 would never stop; set steps or max_seconds")
         if self.batch_size < 1:
-            raise ConfigError("batch_size: must be >= 1")
+            problems.add(f"batch_size: must be >= 1, got {self.batch_size}; images per step")
         if self.lr <= 0:
-            raise ConfigError("lr: must be > 0")
+            problems.add(f"lr: must be > 0, got {self.lr}; e.g. 1e-4")
         if self.checkpoint_every_steps < 1:
-            raise ConfigError("checkpoint_every_steps: must be >= 1")
-        try:
-            self.interrupt.validate()
-        except ConfigError as e:
-            raise ConfigError(f"interrupt.{e}") from None
+            problems.add(f"checkpoint_every_steps: must be >= 1, got {self.checkpoint_every_steps}; "
+                         "steps between checkpoints")
+        problems.nested("interrupt", self.interrupt)
+        problems.raise_if_any()
 
 
 def decode_images(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
