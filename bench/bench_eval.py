@@ -9,6 +9,11 @@ B. Feature extraction: images/s of each extractor on 32 px images, weights rando
    not depend on them) but architectures real:
    - the FID Inception-v3 on layer 2048: clean resize to 299 alone, then resize + network;
    - DINOv2 ViT-S/14 (22M parameters) at 224 px through its image processor, for ``fd_*``.
+C. The share of a training run that ``train.eval.every_steps`` costs, at the U-Net's tiny and small
+   presets (``--presets``): a real run per preset trains ``2 x --every`` steps on 32 px latents and
+   evaluates its checkpoints (FID/KID on the Inception of B, ``--eval-images`` images, guidance 5);
+   the trainer's own clocks (``RUN/eval.jsonl``: training seconds, evaluation seconds) give the
+   measured share, and the same two measured costs give the share at other intervals.
 
 Prints figures; asserts nothing about time.
 """
@@ -54,12 +59,41 @@ def build_run(root: Path) -> Path:
     return root / "run"
 
 
+def eval_share(root: Path, preset: str, every: int, num_images: int, steps: int, batch: int) -> dict[str, float]:
+    """Train ``2 * every`` steps of ``preset`` with an evaluation every ``every`` steps; the
+    measured seconds per training step and per evaluation (the second one: the reference features
+    are cached by then, as in a long run)."""
+    from latentforge.evaluate.curve import read_evaluations
+
+    raw = root / "raw"
+    run = root / f"run-{preset}"
+    cfg = from_dict(RunConfig, {
+        "train": {"unet": {"preset": preset}, "phases": [{"datasets": [{"path": str(root / "latents")}],
+                                                          "steps": 2 * every}],
+                  "micro_batch_size": batch, "device": "cpu", "loggers": [], "log_every": every,
+                  "checkpoint": {"every_steps": every, "keep_last": 1},
+                  "eval": {"every_steps": every}},
+        "data": {"num_workers": 0, "cache_dir": str(root / "cache")},
+        "eval": {"prompts": str(raw), "reference": str(raw), "inception": str(root / "inception.pth"),
+                 "num_images": num_images, "num_steps": steps, "guidance_scales": [5.0], "batch_size": 16,
+                 "kid_subset_size": 8, "kid_subsets": 10, "device": "cpu"}})
+    train(cfg, run, progress=False)
+    records = read_evaluations(run)
+    train_per_step = (records[1]["train_seconds"] - records[0]["train_seconds"]) / every
+    return {"train_step_s": train_per_step, "eval_s": records[1]["eval_seconds"],
+            "measured_share": records[1]["eval_seconds"] / (records[1]["eval_seconds"] + every * train_per_step)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num", type=int, default=64, help="images per measurement")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=30, help="sampler steps")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--presets", default="tiny,small", help="C: U-Net presets ('' = skip C)")
+    ap.add_argument("--every", type=int, default=20, help="C: steps between evaluations of the measured runs")
+    ap.add_argument("--eval-images", type=int, default=16, help="C: images per evaluation")
+    ap.add_argument("--train-batch", type=int, default=16, help="C: training micro batch")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,6 +131,14 @@ def main() -> None:
         enc(images[:2])
         enc_s = timed(lambda: [enc(images[i:i + args.batch]) for i in range(0, len(images), args.batch)])
         print(f"B. DINOv2 ViT-S/14 at 224 px: {len(images) / enc_s:.1f} img/s")
+
+        for preset in [p for p in args.presets.split(",") if p]:
+            m = eval_share(root, preset, args.every, args.eval_images, args.steps, args.train_batch)
+            shares = ", ".join(f"every {k}: {m['eval_s'] / (m['eval_s'] + k * m['train_step_s']):.1%}"
+                               for k in (100, 1000, 5000))
+            print(f"C. {preset} U-Net, batch {args.train_batch}: {m['train_step_s']:.3f} s per training step, "
+                  f"{m['eval_s']:.1f} s per evaluation of {args.eval_images} images ({args.steps} steps, FID/KID); "
+                  f"measured share every {args.every} steps: {m['measured_share']:.1%}; at {shares}")
 
 
 if __name__ == "__main__":

@@ -208,6 +208,7 @@ CASES = [
     # demo
     c("demo.prompts_per_combo", "0", "must be at least 1"),
     c("demo.batch_size", "0", "must be at least 1"),
+    c("demo.curve_per_combo", "-1", "must be 0 (no curve) or more"),
     c("demo.wordings", "[caption, nope]", "unknown wording 'nope'"),
     c("demo.wordings", "[plain]", "must include 'caption'"),
     c("demo.judge.floor", "1.0", "must be in [0, 1)"),

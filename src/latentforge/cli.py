@@ -507,6 +507,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_libraries() -> None:
+    """--quiet: no progress bars from the libraries either (transformers' weight loading reads the
+    hub's setting when it is imported; if it already is, its own switch)."""
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = _split_overrides(argv)
@@ -522,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         # `latentforge` or `latentforge data` alone: show the help of that level.
         parser.parse_args(args + ["--help"])
         return 2
+    if getattr(ns, "quiet", False):
+        _quiet_libraries()
     try:
         code = ns.fn(ns, overrides)  # EXIT_INTERRUPTED (75) after a stop with a checkpoint, else None / 0
     except UserError as e:

@@ -45,6 +45,9 @@ class DemoConfig:
     sampler: Literal["ddim", "dpm++", "euler", "ddpm"] = field(default="ddim", metadata={
         "help": "sampler of the evaluation (the scheduler the exported pipeline is saved with)"})
     batch_size: int = field(default=48, metadata={"help": "prompts per pipeline call"})
+    curve_per_combo: int = field(default=8, metadata={
+        "help": "held-out images per combination (caption wording) scored at each evaluation during training "
+                "(train.eval.every_steps): the quality curve of report.md; 0 = no curve"})
     seed: int = field(default=1234, metadata={"help": "seed of the evaluation prompts and noise"})
     judge: JudgeConfig = field(default_factory=JudgeConfig, metadata={"help": "the judge classifier"})
 
@@ -53,6 +56,8 @@ class DemoConfig:
         for name in ("prompts_per_combo", "batch_size"):
             if getattr(self, name) < 1:
                 problems.add(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.curve_per_combo < 0:
+            problems.add(f"curve_per_combo: must be 0 (no curve) or more, got {self.curve_per_combo}")
         for w in self.wordings:
             if w not in WORDINGS:
                 problems.add(f"wordings: unknown wording {w!r} (known: {', '.join(WORDINGS)})")
@@ -121,11 +126,17 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     encode_summary = encode_dataset(str(out / "raw"), str(out / "latents"), enc_cfg, progress=progress)
     st.done()
 
-    st.start("train", "train the U-Net")
+    st.start("judge", "train the judge and validate it on clean, degraded and VAE-decoded renders")
+    judge, judge_report = _judge(recipe, out, vae_dir)
+    st.done()
+
+    st.start("train", "train the U-Net" + (", scoring held-out prompts with the judge every "
+                                           f"{recipe.train.eval.every_steps} steps" if _curve_on(recipe) else ""))
     phases = [replace(p, datasets=p.datasets or [StreamConfig(path=str(out / "latents"))]) for p in recipe.train.phases]
     run_cfg = RunConfig(train=replace(recipe.train, phases=phases),
                         data=replace(recipe.loader, cache_dir=recipe.loader.cache_dir or str(out / "cache")))
-    train_summary = train(run_cfg, out / "run", resume="auto", progress=progress)
+    train_summary = train(run_cfg, out / "run", resume="auto", progress=progress,
+                          evaluator=_curve_evaluator(recipe, out, judge) if _curve_on(recipe) else None)
     if not train_summary["finished"]:
         raise UserError(f"training stopped at step {train_summary['step']} before the end of its phases "
                         "(train.max_seconds): rerun the demo to continue")
@@ -136,10 +147,6 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     comps = load_components(out / "run", use_ema=True)
     st.start("export", "export a diffusers pipeline and check it reproduces the samples")
     export_check = _export_and_check(recipe, out, comps)
-    st.done()
-
-    st.start("judge", "train the judge and validate it on clean, degraded and VAE-decoded renders")
-    judge, judge_report = _judge(recipe, out, comps)
     st.done()
 
     st.start("evaluate", "sample seen and held-out prompts with the exported pipeline, score them with the judge")
@@ -155,6 +162,7 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
         "encode": {"seen": encode_summary["seen"], "written": encode_summary["written"],
                    "text_encoder": enc_cfg.text_encoder},
         "train": _train_stats(out / "run"),
+        "curve": _curve(out / "run") if _curve_on(recipe) and (out / "run" / "eval.jsonl").is_file() else None,
         "evaluation": evaluation,
         "export": export_check,
         "options": _options(recipe, enc_cfg),
@@ -168,10 +176,10 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     write_report(result, out)
     if progress:
         ev = evaluation["splits"]["heldout"]
-        cap, new = ev["wordings"]["caption"], ev["new_wordings"]
+        cap, new = ev["wordings"]["caption"], ev.get("new_wordings")
+        new_text = f", {new['both']['rate']:.0%} (new wordings)" if new else ""
         print(f"\n== done in {result['total_s']:.0f} s. Held-out prompts, both right: {cap['both']['rate']:.0%} "
-              f"(caption wording), {new['both']['rate']:.0%} (new wordings); chance {evaluation['chance']['both']:.1%}. "
-              f"Report: {out / 'report.md'}")
+              f"(caption wording){new_text}; chance {evaluation['chance']['both']:.1%}. Report: {out / 'report.md'}")
     return result
 
 
@@ -182,20 +190,71 @@ def _autoencoder(vae: Any) -> Any:
     return run
 
 
-def _judge(recipe: Any, out: Path, comps: Any) -> tuple[Any, dict[str, Any]]:
+def _judge(recipe: Any, out: Path, vae_dir: Path) -> tuple[Any, dict[str, Any]]:
     """Train the judge at the recipe's settings; validate it at the same settings on fresh renders
     (clean, blurred, down/up-sampled, through the demo's VAE: the ceiling of any denoiser)."""
     from latentforge.evaluate.judge import build_judge, validate_judge
+    from latentforge.models.autoencoder import load_vae
 
     size = recipe.ingest.image.resolution
     t0 = time.perf_counter()
     judge, report = build_judge([out / "synth"], size, recipe.demo.judge)
     t1 = time.perf_counter()
     report["validation"] = validate_judge(judge, out / "synth-check", size, recipe.demo.judge,
-                                          autoencode=_autoencoder(comps.vae))
+                                          autoencode=_autoencoder(load_vae(str(vae_dir)).eval()))
     report["train_seconds"] = round(t1 - t0, 1)
     report["validate_seconds"] = round(time.perf_counter() - t1, 1)
     return judge, report
+
+
+def _curve_on(recipe: Any) -> bool:
+    return bool(recipe.train.eval.every_steps and recipe.demo.curve_per_combo)
+
+
+def _curve_evaluator(recipe: Any, out: Path, judge: Any) -> Any:
+    """The evaluation during training of the demo: the EMA weights of each evaluated checkpoint
+    draw the held-out combinations (caption wording, the same prompts and noise every time); the
+    judge scores them, and their Fréchet distance to real held-out renders is taken in its feature
+    space. ``latentforge report`` draws the curve from ``RUN/eval.jsonl``."""
+    from latentforge.evaluate.alignment import make_prompts, score
+    from latentforge.evaluate.judge import features, textures, thumbnails, verdicts
+    from latentforge.evaluate.metrics import frechet_distance
+    from latentforge.inference import generate, load_components
+
+    d, size = recipe.demo, recipe.ingest.image.resolution
+    prompts = make_prompts(recipe.synth.heldout_combos(), "caption", d.curve_per_combo, d.seed)
+    real = _real_heldout(out, size)
+    real = real[torch.randperm(len(real), generator=torch.Generator().manual_seed(d.seed))
+                [:max(len(prompts), min(len(real), 4 * len(prompts)))]]
+    real_features, real_thumbs, real_textures = features(judge, real, size), thumbnails(real, size), textures(real, size)
+
+    def evaluate_checkpoint(trainer: Any, checkpoint: Path) -> dict[str, Any]:
+        comps = load_components(checkpoint, use_ema=True)
+        images = []
+        for i in range(0, len(prompts), d.batch_size):
+            images += generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length,
+                               [p.text for p in prompts[i:i + d.batch_size]], seed=d.seed + i, num_steps=d.num_steps,
+                               guidance_scale=d.guidance_scale, sampler=d.sampler)
+        s = score(prompts, verdicts(judge, images, size, d.judge.floor))
+        row = {"guidance_scale": d.guidance_scale, "num_images": len(prompts),
+               "judge_fd": frechet_distance(features(judge, images, size), real_features),
+               "thumbnail_fd": frechet_distance(thumbnails(images, size), real_thumbs),
+               "texture_fd": frechet_distance(textures(images, size), real_textures)}
+        row.update({f"heldout_{a}": s[a]["rate"] for a in ("both", "color", "shape", "position")})
+        return {"rows": [row]}
+
+    return evaluate_checkpoint
+
+
+def _curve(run: Path) -> dict[str, Any]:
+    """The evaluations during training and the quality report drawn from them (RUN/report/)."""
+    from latentforge.evaluate.curve import read_evaluations, run_total_samples, write_quality_report
+
+    path = write_quality_report(run, run_total_samples(run))
+    return {"report": str(path), "points": [
+        {"step": r["step"], "samples_seen": r["samples_seen"], "train_seconds": r["train_seconds"],
+         "eval_seconds": r["eval_seconds"], **{k: v for k, v in r["rows"][0].items() if k != "guidance_scale"}}
+        for r in read_evaluations(run)]}
 
 
 def _real_heldout(out: Path, size: int) -> torch.Tensor:
@@ -213,7 +272,7 @@ def _evaluate(recipe: Any, out: Path, judge: Any) -> dict[str, Any]:
     from diffusers import DiffusionPipeline
 
     from latentforge.evaluate.alignment import check_new_wordings, make_prompts, score
-    from latentforge.evaluate.judge import chance, features, verdicts
+    from latentforge.evaluate.judge import chance, features, textures, thumbnails, verdicts
     from latentforge.evaluate.metrics import frechet_distance
     from latentforge.inference import make_grid
 
@@ -273,10 +332,13 @@ def _evaluate(recipe: Any, out: Path, judge: Any) -> dict[str, Any]:
     n = len(caption_images["heldout"])
     if len(real) >= 2 * n:
         perm = torch.randperm(len(real), generator=torch.Generator().manual_seed(d.seed))
-        fa, fb = features(judge, real[perm[:n]], size), features(judge, real[perm[n:2 * n]], size)
-        fg = features(judge, caption_images["heldout"], size)
+        a, b, gen = real[perm[:n]], real[perm[n:2 * n]], caption_images["heldout"]
+        fa, fb, fg = features(judge, a, size), features(judge, b, size), features(judge, gen, size)
         result["frechet"] = {"num": n, "generated_vs_real": frechet_distance(fg, fa),
                              "real_vs_real": frechet_distance(fb, fa)}
+        for name, f in (("thumbnail", thumbnails), ("texture", textures)):  # training-free features
+            result["frechet"][f"{name}_generated_vs_real"] = frechet_distance(f(gen, size), f(a, size))
+            result["frechet"][f"{name}_real_vs_real"] = frechet_distance(f(b, size), f(a, size))
     return result
 
 
@@ -310,7 +372,9 @@ def _train_stats(run: Path) -> dict[str, Any]:
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
     rates = [h["img_per_s"] for h in history[1:]] or [h["img_per_s"] for h in history]
     mfus = [h["mfu"] for h in history[1:] if "mfu" in h] or [h["mfu"] for h in history if "mfu" in h]
+    late = [h["loss"] for h in history if h["step"] > 0.75 * history[-1]["step"]]
     return {"steps": history[-1]["step"], "final_loss": history[-1]["loss"],
+            "late_loss": float(np.mean(late)),  # the mean logged loss over the last quarter of the steps
             "median_img_per_s": float(np.median(rates)), "samples_seen": history[-1]["samples_seen"],
             "median_mfu": float(np.median(mfus)) if mfus else None}
 

@@ -267,6 +267,23 @@ def features(model: Judge, images: Sequence[Image.Image] | torch.Tensor, size: i
     return torch.cat([model.features(x[i:i + batch]) for i in range(0, len(x), batch)])
 
 
+def thumbnails(images: Sequence[Image.Image] | torch.Tensor, size: int, side: int = 8) -> torch.Tensor:
+    """Images as ``side`` x ``side`` RGB thumbnails (area average), flattened: training-free
+    features of colour, size and place."""
+    x = images if isinstance(images, torch.Tensor) else to_tensor(images, size)
+    return F.adaptive_avg_pool2d(x.float(), side).flatten(1)
+
+
+def textures(images: Sequence[Image.Image] | torch.Tensor, size: int, side: int = 4) -> torch.Tensor:
+    """Where the fine detail is: the absolute difference between an image and its 2x2 block
+    average, area-averaged to ``side`` x ``side`` per channel, flattened. Training-free features
+    of edges and texture: flat shapes on flat backgrounds have little, noise has much."""
+    x = images if isinstance(images, torch.Tensor) else to_tensor(images, size)
+    x = x.float()
+    detail = (x - F.interpolate(F.avg_pool2d(x, 2), scale_factor=2, mode="nearest")).abs()
+    return F.adaptive_avg_pool2d(detail, side).flatten(1)
+
+
 def agreement(found: dict[str, list[str]], wanted: dict[str, Sequence[str | None]]) -> dict[str, dict[str, int]]:
     """Per attribute: how many verdicts equal the wanted label (labels that are None are skipped)."""
     result = {}

@@ -92,6 +92,27 @@ def _judge_validation(j: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _curve(curve: dict[str, Any] | None) -> list[str]:
+    """The evaluations during training: held-out alignment and judge-space FD against training."""
+    if not curve:
+        return []
+    lines = ["### Quality during training", "",
+             "Each evaluation step's checkpoint (EMA weights) draws the same held-out prompts with the same noise "
+             "(caption wording); the judge scores them, and the Fréchet distance to real held-out renders is taken in "
+             "its feature space. Plots against images, CPU-hours and cost: "
+             f"[`run/report/quality.md`](run/report/quality.md).", "",
+             "| step | images seen | training s | eval s | images | held-out both right | colour | shape | position "
+             "| judge FD | thumbnail FD | texture FD |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in curve["points"]:
+        lines.append(f"| {p['step']} | {p['samples_seen']:,} | {p['train_seconds']:.0f} | {p['eval_seconds']:.1f} | "
+                     f"{p['num_images']} | {_pct(p['heldout_both'])} | {_pct(p['heldout_color'])} | "
+                     f"{_pct(p['heldout_shape'])} | {_pct(p['heldout_position'])} | {p['judge_fd']:.2f} | "
+                     f"{p['thumbnail_fd']:.2f} | {p['texture_fd']:.4f} |")
+    if Path(curve["report"]).with_name("judge_fd.png").exists():
+        lines += ["", "![judge FD during training](run/report/judge_fd.png)"]
+    return lines + [""]
+
+
 def write_report(r: dict[str, Any], out: Path) -> Path:
     ev, vae, tr = r["evaluation"], r["vae"], r["train"]
     has_plot = plot_loss(out / "run", out / "loss.png")
@@ -115,7 +136,11 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         "",
         f"Fréchet distance in the judge's feature space, held-out samples (caption wording) against real held-out "
         f"renders: **{fd['generated_vs_real']:.2f}**; real against real (two disjoint sets of {fd['num']}): "
-        f"{fd['real_vs_real']:.2f}." if fd else "(no Fréchet distance: too few real held-out renders)",
+        f"{fd['real_vs_real']:.2f}. In training-free features: 8x8 thumbnails (colour, size, place) "
+        f"{fd['thumbnail_generated_vs_real']:.2f}, real against real {fd['thumbnail_real_vs_real']:.2f}; 4x4 maps "
+        f"of fine detail (edges, texture) {fd['texture_generated_vs_real']:.4f}, real against real "
+        f"{fd['texture_real_vs_real']:.4f}."
+        if fd else "(no Fréchet distance: too few real held-out renders)",
         "",
         "Held-out prompts, caption wording (one row per combination):",
         "",
@@ -145,6 +170,7 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         "",
         "![loss](loss.png)" if has_plot else "(matplotlib not installed: no loss plot)",
         "",
+        *_curve(r.get("curve")),
         "## Options used",
         "",
         *[f"- {k}: {v}" for k, v in r["options"].items()],

@@ -130,22 +130,25 @@ def pick_device(name: str) -> torch.device:
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: bool = True,
           world: World | None = None, on_checkpoint: Callable[[Path, int], None] | None = None,
-          source: DataSource | None = None, stop_file: str | Path | None = None) -> dict[str, Any]:
+          source: DataSource | None = None, stop_file: str | Path | None = None,
+          evaluator: Callable[[Any, Path], dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """Run (or resume) the training of ``cfg`` in ``run_dir``; returns the trainer's summary
     (``interrupted``: the signal that stopped it with a checkpoint, see ``latentforge.interrupt``).
     ``world``: from :func:`latentforge.distributed.env.init_world` (None = a single process);
     ``on_checkpoint(path, step)``: called on every rank after each complete checkpoint;
     ``source``: where batches come from (None = precomputed latent shards);
     ``stop_file``: a path whose appearance stops the run like a signal (launchers whose workers
-    cannot install signal handlers)."""
+    cannot install signal handlers);
+    ``evaluator(trainer, checkpoint)``: the evaluation of ``train.eval.every_steps`` in place of the
+    recipe's ``eval`` section (returns ``{"rows": [{"guidance_scale": ..., metric: value}]}``)."""
     # Signals received while the run is set up are held until the first step's check.
     with StopOnSignal(cfg.train.interrupt, stop_file=stop_file, what="train") as stop:
-        return _train(cfg, run_dir, resume, progress, world, on_checkpoint, source, stop)
+        return _train(cfg, run_dir, resume, progress, world, on_checkpoint, source, stop, evaluator)
 
 
 def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, world: World | None,
            on_checkpoint: Callable[[Path, int], None] | None, source: DataSource | None,
-           stop: StopOnSignal) -> dict[str, Any]:
+           stop: StopOnSignal, evaluator: Callable[[Any, Path], dict[str, Any] | None] | None = None) -> dict[str, Any]:
     world = world or World()
     source = source or DataSource()
     run = Path(run_dir)
@@ -176,8 +179,8 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
         tcfg = resolve_auto_micro_batch(tcfg, [_phase_latent_shape(p, source) for p in tcfg.phases], device,
                                         world.world_size, unet=base.unet_config if base else None)
     phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
-    eval_fn = None
-    if tcfg.eval.every_steps:  # its inputs fail here too, not after the first every_steps steps
+    eval_fn = evaluator if tcfg.eval.every_steps else None
+    if tcfg.eval.every_steps and evaluator is None:  # its inputs fail here too, not after the first every_steps steps
         from latentforge.evaluate.during_training import training_evaluator
 
         eval_fn = training_evaluator(cfg.eval, tcfg.eval, run, world)
