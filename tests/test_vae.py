@@ -171,6 +171,26 @@ def test_loss_weights_are_validated():
 # ------------------------------------------------------------------------------ the trained VAE
 
 
+def test_train_vae_optimises_the_configured_terms(raw, tmp_path, monkeypatch):
+    """The weights of the config reach the loss of every step, and the logged loss is that loss
+    (plus the KL term, 0 here)."""
+    calls = []
+
+    def spy(rec, x, *weights):
+        terms = reconstruction_loss(rec, x, *weights)
+        calls.append((weights, float(terms["loss"].detach())))
+        return terms
+
+    monkeypatch.setattr(vae_module, "reconstruction_loss", spy)
+    cfg = vae_config(raw, seed=0, steps=2)
+    cfg.grad_weight, cfg.color_weight, cfg.mse_weight, cfg.kl_weight, cfg.log_every = 0.5, 3.0, 0.0, 0.0, 1
+    metrics = train_vae(cfg, tmp_path / "vae", progress=False)
+    assert [c[0] for c in calls] == [(1.0, 0.0, 0.5, 3.0)] * 2
+    assert [h["loss"] for h in metrics["history"]] == pytest.approx([c[1] for c in calls])
+
+
+
+
 @pytest.fixture(scope="module")
 def trained(raw, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("vae") / "vae"
