@@ -238,3 +238,22 @@ def test_a_broken_vae_fails_the_bound(raw, tmp_path, monkeypatch):
     monkeypatch.setattr(vae_module, "build_vae", broken_build)
     metrics = train_vae(vae_config(raw, seed=0), tmp_path / "vae", progress=False)
     assert metrics["heldout_psnr"] < BOUND_DB
+
+
+def test_mid_block_attention_switch_reaches_the_saved_vae(tmp_path):
+    """Off: no self-attention in either middle block, and the saved config says so, so that a
+    reload (diffusers, as the exported pipeline does) builds the same network."""
+    from latentforge.models.autoencoder import AutoencoderConfig, build_vae
+
+    def attention_params(vae):
+        return sum(p.numel() for n, p in vae.named_parameters() if ".attentions." in n)
+
+    cfg = AutoencoderConfig(block_out_channels=(8, 16), norm_num_groups=4, sample_size=16)
+    with_attention = build_vae(cfg)
+    cfg.mid_block_attention = False
+    without = build_vae(cfg)
+    # encoder and decoder: q, k, v, out projections (16 x 16 + bias) and a group norm (weight, bias)
+    assert attention_params(with_attention) == 2 * (4 * (16 * 16 + 16) + 2 * 16)
+    assert attention_params(without) == 0
+    without.save_pretrained(tmp_path, safe_serialization=True)
+    assert attention_params(load_vae(str(tmp_path))) == 0
