@@ -14,7 +14,8 @@ import torch
 from latentforge.data.loader import LoaderConfig, StreamConfig
 from latentforge.models.autoencoder import load_vae
 from latentforge.train import vae as vae_module
-from latentforge.train.vae import VAETrainConfig, _load_eval_images, psnr, train_vae
+from latentforge.errors import ConfigError
+from latentforge.train.vae import VAETrainConfig, _load_eval_images, psnr, reconstruction_loss, train_vae
 from tiny_models import make_raw_dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,7 +101,94 @@ def test_psnr_clamps_to_the_pixel_range():
     assert psnr(y, over).tolist() == pytest.approx([100.0, 0.0], abs=1e-4)
 
 
+# ------------------------------------------------------------------------------ the loss terms
+
+
+def ref_terms(rec: np.ndarray, x: np.ndarray, color_weight: float) -> dict[str, float]:
+    """The reconstruction terms written out with loops over pixels (float64): each pixel weighted
+    by 1 + color_weight * (max - min of its target RGB) / 2, and the L1 distance between the
+    forward differences of the reconstruction and of the target, taken separately."""
+    n, c, h, w = x.shape
+    l1 = mse = 0.0
+    for i in range(n):
+        for r in range(h):
+            for q in range(w):
+                px = x[i, :, r, q].astype(np.float64)
+                wgt = 1.0 + color_weight * (px.max() - px.min()) / 2
+                e = rec[i, :, r, q].astype(np.float64) - px
+                l1 += wgt * np.abs(e).sum()
+                mse += wgt * (e ** 2).sum()
+    dx = np.abs(np.diff(rec.astype(np.float64), axis=3) - np.diff(x.astype(np.float64), axis=3)).mean()
+    dy = np.abs(np.diff(rec.astype(np.float64), axis=2) - np.diff(x.astype(np.float64), axis=2)).mean()
+    return {"l1": l1 / x.size, "mse": mse / x.size, "grad": (dx + dy) / 2}
+
+
+@pytest.mark.parametrize("color_weight", [0.0, 3.0])
+def test_reconstruction_loss_matches_a_loop_over_pixels(color_weight):
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand((2, 3, 5, 7), generator=g) * 2 - 1
+    x[0, :, :2] = 0.3  # a gray band: chroma 0, weight 1
+    rec = x + 0.3 * torch.randn((2, 3, 5, 7), generator=g)
+    terms = reconstruction_loss(rec, x, l1_weight=0.5, mse_weight=2.0, grad_weight=1.5, color_weight=color_weight)
+    ref = ref_terms(rec.numpy(), x.numpy(), color_weight)
+    for k in ("l1", "mse", "grad"):
+        assert float(terms[k]) == pytest.approx(ref[k], rel=1e-5), k
+    assert float(terms["loss"]) == pytest.approx(0.5 * ref["l1"] + 2.0 * ref["mse"] + 1.5 * ref["grad"], rel=1e-5)
+
+
+def test_reconstruction_loss_by_hand():
+    """One 1x2 image whose numbers can be checked on paper: a gray pixel (0, 0, 0) and a red one
+    (1, -1, -1) reconstructed with errors 0.2 and -0.4 in every channel."""
+    x = torch.tensor([[[[0.0, 1.0]], [[0.0, -1.0]], [[0.0, -1.0]]]])
+    rec = x + torch.tensor([0.2, -0.4]).view(1, 1, 1, 2)
+    t = reconstruction_loss(rec, x, grad_weight=1.0, color_weight=1.0)
+    # red: chroma (1 - (-1)) / 2 = 1, weight 2; gray: weight 1. L1 = (3 * 0.2 * 1 + 3 * 0.4 * 2) / 6
+    assert float(t["l1"]) == pytest.approx((0.6 + 2.4) / 6)
+    assert float(t["mse"]) == pytest.approx((3 * 0.04 + 3 * 0.16 * 2) / 6)
+    # two identical rows: horizontal difference error |(-0.4) - 0.2| = 0.6 per channel, vertical 0
+    t = reconstruction_loss(rec.repeat(1, 1, 2, 1), x.repeat(1, 1, 2, 1), grad_weight=1.0)
+    assert float(t["grad"]) == pytest.approx((0.6 + 0.0) / 2)
+
+
+def test_the_edge_term_ignores_a_constant_offset_and_sees_a_blurred_edge():
+    x = -torch.ones(1, 3, 8, 8)
+    x[..., 2:6, 2:6] = 1.0  # a white square on black
+    shifted = x + 0.1  # same edges: only the pixel terms see it
+    t = reconstruction_loss(shifted, x, grad_weight=1.0)
+    assert float(t["grad"]) == pytest.approx(0.0, abs=1e-7) and float(t["l1"]) == pytest.approx(0.1)
+    blurred = torch.nn.functional.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False)
+    assert float(reconstruction_loss(blurred, x, grad_weight=1.0)["grad"]) > 0.05
+
+
+def test_loss_weights_are_validated():
+    with pytest.raises(ConfigError, match="grad_weight"):
+        VAETrainConfig(grad_weight=-1.0).validate()
+    with pytest.raises(ConfigError, match="at least one reconstruction term"):
+        VAETrainConfig(l1_weight=0.0, mse_weight=0.0).validate()
+    VAETrainConfig(l1_weight=0.0, mse_weight=0.0, grad_weight=1.0).validate()
+
+
 # ------------------------------------------------------------------------------ the trained VAE
+
+
+def test_train_vae_optimises_the_configured_terms(raw, tmp_path, monkeypatch):
+    """The weights of the config reach the loss of every step, and the logged loss is that loss
+    (plus the KL term, 0 here)."""
+    calls = []
+
+    def spy(rec, x, *weights):
+        terms = reconstruction_loss(rec, x, *weights)
+        calls.append((weights, float(terms["loss"].detach())))
+        return terms
+
+    monkeypatch.setattr(vae_module, "reconstruction_loss", spy)
+    cfg = vae_config(raw, seed=0, steps=2)
+    cfg.grad_weight, cfg.color_weight, cfg.mse_weight, cfg.kl_weight, cfg.log_every = 0.5, 3.0, 0.0, 0.0, 1
+    metrics = train_vae(cfg, tmp_path / "vae", progress=False)
+    assert [c[0] for c in calls] == [(1.0, 0.0, 0.5, 3.0)] * 2
+    assert [h["loss"] for h in metrics["history"]] == pytest.approx([c[1] for c in calls])
+
+
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +238,22 @@ def test_a_broken_vae_fails_the_bound(raw, tmp_path, monkeypatch):
     monkeypatch.setattr(vae_module, "build_vae", broken_build)
     metrics = train_vae(vae_config(raw, seed=0), tmp_path / "vae", progress=False)
     assert metrics["heldout_psnr"] < BOUND_DB
+
+
+def test_mid_block_attention_switch_reaches_the_saved_vae(tmp_path):
+    """Off: no self-attention in either middle block, and the saved config says so, so that a
+    reload (diffusers, as the exported pipeline does) builds the same network."""
+    from latentforge.models.autoencoder import AutoencoderConfig, build_vae
+
+    def attention_params(vae):
+        return sum(p.numel() for n, p in vae.named_parameters() if ".attentions." in n)
+
+    cfg = AutoencoderConfig(block_out_channels=(8, 16), norm_num_groups=4, sample_size=16)
+    with_attention = build_vae(cfg)
+    cfg.mid_block_attention = False
+    without = build_vae(cfg)
+    # encoder and decoder: q, k, v, out projections (16 x 16 + bias) and a group norm (weight, bias)
+    assert attention_params(with_attention) == 2 * (4 * (16 * 16 + 16) + 2 * 16)
+    assert attention_params(without) == 0
+    without.save_pretrained(tmp_path, safe_serialization=True)
+    assert attention_params(load_vae(str(tmp_path))) == 0

@@ -47,6 +47,9 @@ class AutoencoderConfig:
         default=32, metadata={"help": "GroupNorm groups; must divide every entry of block_out_channels"}
     )
     sample_size: int = field(default=256, metadata={"help": "training image size in pixels (per side)"})
+    mid_block_attention: bool = field(default=True, metadata={
+        "help": "self-attention in the encoder's and decoder's middle block (diffusers' "
+                "mid_block_add_attention; the SD VAE has it)"})
     scaling_factor: float = field(
         default=1.0,
         metadata={"help": "latent scale (1 / std of the latents); measure it after training and "
@@ -86,6 +89,7 @@ def build_vae(cfg: AutoencoderConfig) -> AutoencoderKL:
         norm_num_groups=cfg.norm_num_groups,
         sample_size=cfg.sample_size,
         scaling_factor=cfg.scaling_factor,
+        mid_block_add_attention=cfg.mid_block_attention,
     )
 
 
