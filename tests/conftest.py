@@ -1,6 +1,7 @@
 import sys
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 
@@ -16,3 +17,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def one_thread_offline():
+    """One intra-op thread: the models are tiny, and with other processes on the 2 vCPUs two
+    threads made one generate call 100x slower (measured 20 s against 0.2 s). Hub access off:
+    the export must load from its directory alone."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+    torch.set_num_threads(num_threads)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import huggingface_hub.constants
 import numpy as np
 import pytest
 import safetensors.torch
@@ -150,14 +149,8 @@ def test_the_caption_mask_hides_padding_and_the_text_reaches_the_prediction():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread_offline():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
-    torch.set_num_threads(num_threads)
+def _one_thread_offline(one_thread_offline):
+    """One thread, hub access off (conftest)."""
 
 
 @pytest.fixture(scope="module")

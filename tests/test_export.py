@@ -15,7 +15,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import huggingface_hub.constants
 import numpy as np
 import pytest
 import safetensors.torch
@@ -60,17 +59,8 @@ RUN_SETTINGS = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread_offline():
-    """One intra-op thread: the models are tiny, and with other processes on the 2 vCPUs two
-    threads made one generate call 100x slower (measured 20 s against 0.2 s). Hub access off:
-    the export must load from its directory alone."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
-    torch.set_num_threads(num_threads)
+def _one_thread_offline(one_thread_offline):
+    """One thread, hub access off (conftest)."""
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from latentforge.train.run import RunConfig, train
 from latentforge.train.trainer import PhaseConfig, TrainConfig, Trainer
 from latent_fixtures import latent_data  # noqa: F401  (session fixture)
 from test_learning import EVAL_POSITIONS, EVAL_SEED, UNET
+from test_learning import run_config as learning_run_config
 from tiny_models import make_raw_dataset, make_tiny_bert, make_tiny_vae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,22 +50,8 @@ BOUND = 1.0
 
 
 def run_config(data: dict[str, Path], seed: int, steps: int, **train) -> RunConfig:
-    return from_dict(RunConfig, {
-        "train": {
-            "seed": seed,
-            "unet": {"preset": "tiny"},
-            "noise": FLOW,
-            "optim": {"lr": 2e-3, "warmup_steps": 10, "schedule": "constant"},
-            "ema": None,
-            "phases": [{"datasets": [{"path": str(data["latent16"])}], "steps": steps}],
-            "micro_batch_size": 16,
-            "log_every": steps,
-            "checkpoint": {"every_steps": steps, "keep_last": 1},
-            "loggers": [],
-            **train,
-        },
-        "data": {"seed": seed, "num_workers": 0, "shuffle_window_shards": 2, "cache_dir": str(data["cache"])},
-    })
+    """test_learning's run (tiny U-Net, 64 latents, AdamW 2e-3) with the flow-matching objective."""
+    return learning_run_config(data, seed, steps, noise=FLOW, **train)
 
 
 def held_out_loss(data: dict[str, Path], weights: dict[str, torch.Tensor], latent_meta: dict) -> float:
