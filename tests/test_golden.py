@@ -24,6 +24,7 @@ from golden import figures, run
 #   real                 1     0.193      0.0336 (0.0115)            23.1 (4.07)
 #   real                 2     0.183      0.0402 (0.0119)            8.69 (5.09)
 #   flip (-v target)     0     0.152      0.101                      32.2
+#   flip (-v target)     1     0.191      0.0960                     92.3
 #   neighbour's target   0     0.298      0.0616                     118
 # These were run before the demo's VAE got its coloured-pixel loss weight (vae.color_weight 4,
 # lr 2e-3); with it, seed 0: real 0.151 / 0.0263 / 21.9, negated target 0.150 / 0.161 / 34.5.
