@@ -13,7 +13,6 @@ import json
 import shutil
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 import safetensors.torch
 import torch
@@ -44,14 +43,8 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread_offline():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
-    torch.set_num_threads(before)
+def _one_thread_offline(one_thread_offline):
+    """One thread, hub access off (conftest)."""
 
 
 def make_tiny_pipeline(root: Path, layout: str, seed: int = 0, vae_seed: int = 0) -> Path:

@@ -20,15 +20,14 @@ from latentforge import checkpoint as ckpt
 from latentforge.cli import main
 from latentforge.config import from_dict
 from latentforge.data.encode import EncodeConfig, encode_dataset
-from latentforge.data.loader import LoaderConfig, StreamConfig, build_loader
 from latentforge.diffusion.schedule import NoiseScheduleConfig
 from latentforge.inference import generate_latents, load_components
 from latentforge.models.unet import build_unet
 from latentforge.train import trainer as trainer_module
 from latentforge.train.run import RunConfig, train
-from latentforge.train.trainer import PhaseConfig, TrainConfig, Trainer
 from latent_fixtures import latent_data  # noqa: F401  (session fixture)
-from test_learning import EVAL_POSITIONS, EVAL_SEED, UNET
+from test_learning import UNET
+from test_learning import held_out_loss as learning_held_out_loss
 from test_learning import run_config as learning_run_config
 from tiny_models import make_raw_dataset, make_tiny_bert, make_tiny_vae
 
@@ -57,21 +56,7 @@ def run_config(data: dict[str, Path], seed: int, steps: int, **train) -> RunConf
 def held_out_loss(data: dict[str, Path], weights: dict[str, torch.Tensor], latent_meta: dict) -> float:
     """Mean flow-matching ``loss_on`` over EVAL_POSITIONS positions (each sample 4 times) with the
     evaluation seed's noise and sigmas, captions kept."""
-    unet = build_unet(UNET)
-    unet.load_state_dict(weights)
-    unet.eval()
-    cfg = TrainConfig(seed=EVAL_SEED, ema=None, loggers=[], device="cpu", precision="fp32",
-                      noise=NoiseScheduleConfig(**FLOW),
-                      phases=[PhaseConfig(datasets=[StreamConfig(path="unused")], steps=1)])
-    evaluator = Trainer(cfg, unet, make_loader=lambda *_: None, run_dir="unused", latent_meta=latent_meta,
-                        device=torch.device("cpu"), progress=False)
-    loader = build_loader(LoaderConfig(datasets=[StreamConfig(path=str(data["latent16"]))], shuffle=False,
-                                       num_workers=0, cache_dir=str(data["cache"])), 64)
-    batches = iter(loader)
-    with torch.no_grad():
-        losses = [float(evaluator.loss_on(next(batches))) for _ in range(EVAL_POSITIONS // 64)]
-    loader.close()
-    return sum(losses) / len(losses)
+    return learning_held_out_loss(data, weights, latent_meta, NoiseScheduleConfig(**FLOW))
 
 
 def _measure(data: dict[str, Path], run_dir: Path, seed: int) -> tuple[float, float]:

@@ -18,6 +18,7 @@ import torch
 from latentforge import checkpoint as ckpt
 from latentforge.config import from_dict
 from latentforge.data.loader import LoaderConfig, StreamConfig, build_loader
+from latentforge.diffusion.schedule import NoiseScheduleConfig
 from latentforge.models.unet import UNetConfig, build_unet
 from latentforge.train import trainer as trainer_module
 from latentforge.train.run import RunConfig, train
@@ -57,13 +58,15 @@ def run_config(data: dict[str, Path], seed: int, steps: int, **train) -> RunConf
     })
 
 
-def held_out_loss(data: dict[str, Path], weights: dict[str, torch.Tensor], latent_meta: dict) -> float:
+def held_out_loss(data: dict[str, Path], weights: dict[str, torch.Tensor], latent_meta: dict,
+                  noise: NoiseScheduleConfig | None = None) -> float:
     """Mean of ``loss_on`` over EVAL_POSITIONS global positions (every sample EVAL_POSITIONS / 64
     times) with the evaluation seed's noise, captions kept."""
     unet = build_unet(UNET)
     unet.load_state_dict(weights)
     unet.eval()
     cfg = TrainConfig(seed=EVAL_SEED, ema=None, loggers=[], device="cpu", precision="fp32",
+                      noise=noise or NoiseScheduleConfig(),
                       phases=[PhaseConfig(datasets=[StreamConfig(path="unused")], steps=1)])
     evaluator = Trainer(cfg, unet, make_loader=lambda *_: None, run_dir="unused", latent_meta=latent_meta,
                         device=torch.device("cpu"), progress=False)
