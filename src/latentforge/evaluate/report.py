@@ -113,6 +113,10 @@ def _curve(curve: dict[str, Any] | None) -> list[str]:
     return lines + [""]
 
 
+def _backbone(options: dict[str, Any]) -> str:
+    return "diffusion transformer" if "dit" in options else "U-Net"
+
+
 def write_report(r: dict[str, Any], out: Path) -> Path:
     ev, vae, tr = r["evaluation"], r["vae"], r["train"]
     has_plot = plot_loss(out / "run", out / "loss.png")
@@ -121,7 +125,7 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         "# latentforge demo report",
         "",
         "The built-in shapes dataset, end to end on this machine: generate -> ingest -> train a VAE from scratch "
-        "-> encode -> train the U-Net -> export -> judge -> sample the exported pipeline -> score.",
+        "-> encode -> train the denoiser -> export -> judge -> sample the exported pipeline -> score.",
         "",
         "## Prompt alignment",
         "",
@@ -159,7 +163,7 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         "",
         "## Training",
         "",
-        f"- U-Net: {tr['steps']} steps, {tr['samples_seen']} samples, median {tr['median_img_per_s']:.0f} img/s"
+        f"- denoiser ({_backbone(r['options'])}): {tr['steps']} steps, {tr['samples_seen']} samples, median {tr['median_img_per_s']:.0f} img/s"
         f"{_mfu(tr.get('median_mfu'))}, "
         f"final loss {tr['final_loss']:.4f}",
         f"- VAE: {vae['steps']} steps in {vae['train_seconds']} s, held-out PSNR {vae['heldout_psnr']:.2f} dB, "
