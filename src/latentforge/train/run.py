@@ -31,6 +31,7 @@ from latentforge.models.unet import UNetConfig
 from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import parallelize, resolve_strategy
 from latentforge.train import finetune
+from latentforge.train.masking import check_kept_tokens
 from latentforge.train.trainer import Trainer, TrainConfig, phase_batches
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,11 @@ def resolve_model_config(cfg: TrainConfig, meta: dict[str, Any], source: DataSou
         size, _ = _phase_latent_shape(phase, source or DataSource())
         if size != height:
             denoiser.check_latent_size(size, f"latent side of train.phases[{i}]")
+        if denoiser.masks_patches:
+            ratio, field_path = ((phase.masking_ratio, f"train.phases[{i}].masking_ratio")
+                                 if phase.masking_ratio is not None else (cfg.masking.ratio, "train.masking.ratio"))
+            num_tokens = (size // denoiser.patch_size()) ** 2
+            check_kept_tokens(num_tokens, ratio, f"{size}x{size} latents of train.phases[{i}]", field_path)
     return replace(cfg, **{denoiser.config_field: denoiser.cfg})
 
 
