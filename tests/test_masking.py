@@ -235,3 +235,25 @@ def test_a_ratio_that_keeps_no_patch_at_the_runs_latent_size_is_refused(latent_d
                                           r"the 8x8 latents of train\.phases\[0\]"):
         train(cfg, tmp_path / "run", progress=False)
     assert not list((tmp_path / "run").glob("step-*"))
+
+
+def test_masked_forward_flops_count_the_kept_tokens_only():
+    """FLOPs per training image (3x forward, on meta) of a masked step against the matmuls written
+    out as in test_dit: the patch embedding on all 64 tokens, the mixer blocks on 64, the other
+    blocks and the output projection on the kept 16."""
+    from latentforge.plan.flops import train_flops_per_image
+
+    den = DiTDenoiser(DiTConfig(preset="tiny")).with_data(4, 16, 384)
+    d, text_len, text = 64, 24, 384
+
+    def block(n: int) -> int:
+        return (2 * n * d * d * 4 + 2 * 2 * n * n * d + 2 * n * d * d * 2 + 2 * text_len * d * d * 2
+                + 2 * 2 * n * text_len * d + 2 * n * d * 4 * d * 2)
+
+    def rest(kept: int) -> int:
+        return (2 * 64 * 4 * P * P * d + 2 * (256 * d + d * d + d * 6 * d) + 2 * text_len * (text * d + d * d)
+                + 2 * kept * d * P * P * 4)
+
+    assert train_flops_per_image(den, 16, text_len) == 3 * (2 * block(64) + rest(64))
+    assert train_flops_per_image(den, 16, text_len, 0.75) == 3 * (2 * block(16) + rest(16))
+    assert train_flops_per_image(den, 16, text_len, 0.75, 1) == 3 * (block(64) + block(16) + rest(16))

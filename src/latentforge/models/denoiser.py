@@ -89,9 +89,10 @@ class Denoiser:
             model = self.build()
         return sum(p.numel() for p in model.parameters())
 
-    def forward_flops(self, latent_size: int, text_len: int) -> int:
+    def forward_flops(self, latent_size: int, text_len: int, num_kept: int = 0, mixer_blocks: int = 0) -> int:
         """Forward FLOPs of one image (``latent_size`` square latents, ``text_len`` caption tokens),
-        counted by ``torch.utils.flop_counter`` on the meta device."""
+        counted by ``torch.utils.flop_counter`` on the meta device; ``num_kept`` > 0: a patch-masked
+        training forward that keeps that many tokens after ``mixer_blocks`` blocks (``forward_tokens``)."""
         from torch.utils.flop_counter import FlopCounterMode
 
         with torch.device("meta"):
@@ -102,8 +103,16 @@ class Denoiser:
             mask = torch.ones(1, text_len) if self.uses_text_mask else None
             counter = FlopCounterMode(display=False)
             with counter:
-                self.forward(model, x, torch.tensor([1]), hidden, mask)
+                if num_kept:
+                    self.forward_tokens(model, x, torch.tensor([1]), hidden, mask, torch.arange(num_kept)[None],
+                                        mixer_blocks)
+                else:
+                    self.forward(model, x, torch.tensor([1]), hidden, mask)
         return int(counter.get_total_flops())
+
+    def num_tokens(self, latent_size: int) -> int:
+        """Patch tokens of a ``latent_size`` square latent (backbones with ``masks_patches``)."""
+        return (latent_size // self.patch_size()) ** 2
 
     # ------------------------------------------------------------------ the data's shapes
 

@@ -287,6 +287,13 @@ class TrainConfig:
         problems.raise_if_any()
 
 
+    def masking_ratio_of(self, phase: int) -> float:
+        """The fraction of patches the training steps of phase ``phase`` drop: the phase's
+        masking_ratio, else masking.ratio."""
+        own = self.phases[phase].masking_ratio if phase < len(self.phases) else None
+        return self.masking.ratio if own is None else own
+
+
 def lora_parallel_problems(parallel: ParallelConfig) -> list[Problem]:
     """What a LoRA run cannot use of ``parallel`` (field paths relative to ``train``): FSDP2 and
     the settings that only FSDP2 has. All of them at once, so that one edit of the recipe fixes
@@ -586,11 +593,8 @@ class Trainer:
         return diffusion_loss(pred, target, weights)
 
     def masking_ratio(self) -> float:
-        """The fraction of patches this phase's training steps drop (its masking_ratio, else train.masking.ratio)."""
-        phase = self.cfg.phases[min(self.phase, len(self.cfg.phases) - 1)] if self.cfg.phases else None
-        if phase is not None and phase.masking_ratio is not None:
-            return phase.masking_ratio
-        return self.cfg.masking.ratio
+        """The fraction of patches this phase's training steps drop."""
+        return self.cfg.masking_ratio_of(self.phase)
 
     def _flow_time(self, latent_shape: tuple[int, ...]) -> Callable[[torch.Generator], torch.Tensor]:
         """The draw of one sample's sigma, shifted for this latent size (SD3 sec. 3.1 and 5.3.2)."""
