@@ -13,6 +13,10 @@ exactly the same noise for the same sample. This is also the per-rank randomness
 training: ranks see different positions, hence different noise, without a per-rank generator
 whose state would have to be checkpointed and could not be re-split when the rank count changes.
 
+With patch masking (``train.masking``, the transformer only) a step keeps a random subset of each
+sample's patch tokens, drawn from (seed, position) the same way (``train/masking.py``), and takes
+the loss on those patches only.
+
 Under FSDP2 (``parallel.strategy=fsdp``) the model's parameters are sharded DTensors: checkpoints
 are then written by every rank through ``distributed/dcp.py`` (DCP shards plus consolidated
 safetensors), and the same directory scheme and completion marker apply.
