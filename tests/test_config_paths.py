@@ -207,6 +207,12 @@ CASES = [
     c("train.dit.num_layers", "0", "must be a positive integer", "train.model=dit"),
     c("train.dit.patch_size", "3", "does not divide the sample_size 16", "train.model=dit"),
     c("train.model", "dit", "cannot fine-tune", "train.init_from=/pipelines/sd2"),
+    c("train.masking.ratio", "1", "must be >= 0 and < 1", "train.model=dit"),
+    c("train.masking.ratio", "0.5", "train.model is unet: set train.model: dit"),
+    c("train.masking.mixer_blocks", "-1", "must be >= 0"),
+    c("train.masking.mixer_blocks", "2", "of the transformer's 2 blocks leaves none", "train.model=dit"),
+    c("train.phases[0].masking_ratio", "-0.5", "must be >= 0 and < 1", "train.model=dit"),
+    c("train.phases[0].masking_ratio", "0.75", "train.model is unet: set train.model: dit"),
     # demo
     c("demo.prompts_per_combo", "0", "must be at least 1"),
     c("demo.batch_size", "0", "must be at least 1"),

@@ -234,6 +234,50 @@ def test_resume_is_exact(run, latents, tmp_path, monkeypatch):
         assert all(torch.equal(a.tensors[group][k], b.tensors[group][k]) for k in a.tensors[group])
 
 
+def masked_config(latents: dict[str, Path]) -> RunConfig:
+    """The run with 75% of the patches masked after a 1-block mixer for 5 steps, then an unmasked
+    last step (a phase with masking_ratio 0, as MicroDiT ends)."""
+    phase = {"datasets": [{"path": str(latents["latents"])}]}
+    return run_config(latents, masking={"ratio": 0.75, "mixer_blocks": 1},
+                      phases=[{**phase, "steps": NUM_TRAIN_STEPS - 1}, {**phase, "steps": 1, "masking_ratio": 0.0}])
+
+
+def test_a_masked_run_resumes_exactly_and_ends_unmasked(run, latents, tmp_path, monkeypatch):
+    """Masks are drawn from (seed, position): a crash two steps after the middle checkpoint, then
+    a resumed run, gives every logged record and the final weights bit for bit. The masked forward
+    ran on the 5 masked steps only (guard), and the masked losses are not the unmasked run's."""
+    calls = []
+    original_tokens, original_step = DiTDenoiser.forward_tokens, Trainer.train_step
+
+    def counted(self, model, latents, timesteps, text, text_mask, keep, mixer_blocks=0):
+        if latents.device.type != "meta":  # (the FLOPs per image are counted on meta)
+            calls.append((keep.shape[1], mixer_blocks))
+        return original_tokens(self, model, latents, timesteps, text, text_mask, keep, mixer_blocks)
+
+    def crash(self, batches):
+        if self.step + 1 == NUM_TRAIN_STEPS // 2 + 2:
+            raise Killed()
+        return original_step(self, batches)
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    with monkeypatch.context() as m:
+        m.setattr(DiTDenoiser, "forward_tokens", counted)
+        train(masked_config(latents), straight, progress=False)
+    assert calls == [(16, 1)] * (NUM_TRAIN_STEPS - 1)  # 64 tokens, 16 kept; not in the last phase
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "train_step", crash)
+        with pytest.raises(Killed):
+            train(masked_config(latents), resumed, progress=False)
+    train(masked_config(latents), resumed, progress=False)
+    assert _metrics(resumed) == _metrics(straight)
+    a, b = ckpt.load_checkpoint(ckpt.find_latest(straight)), ckpt.load_checkpoint(ckpt.find_latest(resumed))
+    assert all(torch.equal(a.tensors["model"][k], b.tensors["model"][k]) for k in a.tensors["model"])
+    masked, unmasked = [r["loss"] for r in _metrics(straight)], [r["loss"] for r in _metrics(run)]
+    assert masked[0] != unmasked[0]  # the same first batch, noise and weights: only the masking differs
+    lines = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["mfu"] < lines[-1]["mfu"] * lines[0]["img_per_s"] / lines[-1]["img_per_s"]  # fewer FLOPs masked
+
+
 def test_resume_as_a_unet_is_refused(run, latents, tmp_path):
     from latentforge.errors import UserError
 
@@ -336,10 +380,12 @@ def replace_micro(train_cfg):
 
 
 @pytest.mark.slow
-def test_ddp_and_fsdp_per_transformer_block_with_checkpointing_match_one_process(tmp_path, one_thread):
+@pytest.mark.parametrize("masking", [None, {"ratio": 0.5, "mixer_blocks": 1}], ids=["unmasked", "masked"])
+def test_ddp_and_fsdp_per_transformer_block_with_checkpointing_match_one_process(tmp_path, one_thread, masking):
     """The transformer on 2 gloo ranks (DDP; FSDP2 sharded per transformer block with activation
     checkpointing) against one process: the same losses, gradient norms and final weights, as
-    tests/test_distributed.py checks for the U-Net."""
+    tests/test_distributed.py checks for the U-Net; also with patch masking (its forward goes
+    through the DDP wrapper and FSDP2's root hooks, the blocks called as modules)."""
     from latent_fixtures import build_latent_data
     from latentforge.distributed.dcp import is_sharded_checkpoint
     from test_distributed import assert_close_runs, recipe, run_ranks, train_cmd, write_recipe
@@ -349,12 +395,15 @@ def test_ddp_and_fsdp_per_transformer_block_with_checkpointing_match_one_process
     for strategy, parallel in (("none", {}), ("ddp", {}), ("fsdp", {"activation_checkpointing": True})):
         cfg = recipe(data, strategy, **parallel)
         cfg["train"]["model"] = "dit"
+        if masking:
+            cfg["train"]["masking"] = masking
         runs[strategy] = tmp_path / f"run-{strategy}"
         if strategy == "none":
             train(from_dict(RunConfig, {"train": cfg["train"], "data": cfg["loader"]}), runs[strategy], progress=False)
         else:
             run_ranks(train_cmd(runs[strategy], write_recipe(tmp_path / f"{strategy}.yaml", cfg)))
-    assert yaml.safe_load((runs["fsdp"] / "train_config.yaml").read_text())["train"]["model"] == "dit"
+    saved = yaml.safe_load((runs["fsdp"] / "train_config.yaml").read_text())["train"]
+    assert saved["model"] == "dit" and saved["masking"]["ratio"] == (masking or {"ratio": 0.0})["ratio"]
     assert_close_runs(runs["none"], runs["ddp"])
     assert_close_runs(runs["none"], runs["fsdp"])
     assert is_sharded_checkpoint(ckpt.find_latest(runs["fsdp"]))

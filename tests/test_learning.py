@@ -59,10 +59,11 @@ def run_config(data: dict[str, Path], seed: int, steps: int, **train) -> RunConf
 
 
 def held_out_loss(data: dict[str, Path], weights: dict[str, torch.Tensor], latent_meta: dict,
-                  noise: NoiseScheduleConfig | None = None) -> float:
+                  noise: NoiseScheduleConfig | None = None, model: torch.nn.Module | None = None) -> float:
     """Mean of ``loss_on`` over EVAL_POSITIONS global positions (every sample EVAL_POSITIONS / 64
-    times) with the evaluation seed's noise, captions kept."""
-    unet = build_unet(UNET)
+    times) with the evaluation seed's noise, captions kept, unmasked; ``model``: the denoiser the
+    ``weights`` are loaded into (default: the tiny U-Net UNET)."""
+    unet = model if model is not None else build_unet(UNET)
     unet.load_state_dict(weights)
     unet.eval()
     cfg = TrainConfig(seed=EVAL_SEED, ema=None, loggers=[], device="cpu", precision="fp32",

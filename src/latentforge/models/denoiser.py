@@ -14,6 +14,9 @@ branch on the backbone themselves:
   checks the rest against the data (one ``ConfigError`` line naming the field);
 - ``forward(model, latents, timesteps, text_states, text_mask)`` is the prediction, whatever the
   backbone's keyword names; ``model`` may be a DDP/FSDP/compiled wrapper of the plain model;
+- ``forward_tokens(model, ..., keep, mixer_blocks)`` (the transformer only: ``masks_patches``) is the
+  prediction of a subset of the patch tokens, computed on those tokens only (patch masking in
+  training, ``train/masking.py``), through the same wrappers as ``forward``;
 - ``blocks(model)`` are the units of activation checkpointing, compilation and FSDP2 sharding;
 - ``pipeline_class`` is the diffusers pipeline an exported run loads as.
 
@@ -23,14 +26,16 @@ diffusers', so checkpoints, EMA, LoRA and ``save_pretrained`` need no adapter.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
 
 from latentforge.errors import ConfigError, UserError
-from latentforge.models.dit import DiTConfig, check_patch_size, dit_diffusers_config
+from latentforge.models.dit import DiTConfig, check_patch_size, dit_diffusers_config, dit_forward_tokens
 from latentforge.models.unet import UNetConfig, unet_diffusers_config
 
 __all__ = ["Denoiser", "UNetDenoiser", "DiTDenoiser", "BACKBONES", "denoiser_for", "denoiser_from_config",
@@ -48,6 +53,8 @@ class Denoiser:
     config_field: ClassVar[str]  # train.<field> holding the typed config
     # Whether the pipeline keeps the scheduler's x0 prediction (``step(...)[1]``) when sampling in one step.
     single_step_returns_x0: ClassVar[bool] = False
+    # Whether the model works on patch tokens that training can mask (forward_tokens, num_tokens).
+    masks_patches: ClassVar[bool] = False
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -82,9 +89,10 @@ class Denoiser:
             model = self.build()
         return sum(p.numel() for p in model.parameters())
 
-    def forward_flops(self, latent_size: int, text_len: int) -> int:
+    def forward_flops(self, latent_size: int, text_len: int, num_kept: int = 0, mixer_blocks: int = 0) -> int:
         """Forward FLOPs of one image (``latent_size`` square latents, ``text_len`` caption tokens),
-        counted by ``torch.utils.flop_counter`` on the meta device."""
+        counted by ``torch.utils.flop_counter`` on the meta device; ``num_kept`` > 0: a patch-masked
+        training forward that keeps that many tokens after ``mixer_blocks`` blocks (``forward_tokens``)."""
         from torch.utils.flop_counter import FlopCounterMode
 
         with torch.device("meta"):
@@ -95,8 +103,16 @@ class Denoiser:
             mask = torch.ones(1, text_len) if self.uses_text_mask else None
             counter = FlopCounterMode(display=False)
             with counter:
-                self.forward(model, x, torch.tensor([1]), hidden, mask)
+                if num_kept:
+                    self.forward_tokens(model, x, torch.tensor([1]), hidden, mask, torch.arange(num_kept)[None],
+                                        mixer_blocks)
+                else:
+                    self.forward(model, x, torch.tensor([1]), hidden, mask)
         return int(counter.get_total_flops())
+
+    def num_tokens(self, latent_size: int) -> int:
+        """Patch tokens of a ``latent_size`` square latent (backbones with ``masks_patches``)."""
+        return (latent_size // self.patch_size()) ** 2
 
     # ------------------------------------------------------------------ the data's shapes
 
@@ -126,6 +142,33 @@ class Denoiser:
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         raise NotImplementedError
+
+    def patch_size(self) -> int:
+        """Latent pixels per patch side (backbones with ``masks_patches``)."""
+        raise NotImplementedError(f"{self.kind} has no patch tokens")
+
+    def forward_tokens(self, model: nn.Module, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
+                       text_mask: torch.Tensor | None, keep: torch.Tensor | None, mixer_blocks: int = 0
+                       ) -> torch.Tensor:
+        """The prediction of the patch tokens ``keep`` (B, K) only, (B, K, values per patch) in
+        ``models.dit.patchify``'s layout (backbones with ``masks_patches``)."""
+        raise NotImplementedError(f"{self.kind} has no patch tokens")
+
+
+@contextlib.contextmanager
+def _forward_replaced(module: nn.Module, forward: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """``module.forward`` is ``forward`` for the duration: calling ``module`` (or a DDP wrapper of it)
+    then runs the module's hooks (FSDP2's gathering of the root parameters, DDP's gradient
+    bookkeeping) around ``forward``, as they run around the module's own forward."""
+    previous = vars(module).get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
 
 
 class UNetDenoiser(Denoiser):
@@ -189,6 +232,7 @@ class DiTDenoiser(Denoiser):
     uses_text_mask = True  # PixArtAlphaPipeline passes the caption mask to the cross-attention
     config_field = "dit"
     single_step_returns_x0 = True  # PixArtAlphaPipeline.__call__ with num_inference_steps == 1
+    masks_patches = True
 
     def _typed_config(self) -> dict[str, Any]:
         return dit_diffusers_config(self.cfg)
@@ -238,6 +282,15 @@ class DiTDenoiser(Denoiser):
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The transformer blocks in forward order."""
         return list(model.transformer_blocks)
+
+    def patch_size(self) -> int:
+        return int(self.diffusers_config()["patch_size"])
+
+    def forward_tokens(self, model, latents, timesteps, text, text_mask, keep, mixer_blocks=0):
+        t = timesteps.reshape(-1).expand(latents.shape[0]) if timesteps.numel() == 1 else timesteps
+        plain = getattr(model, "module", model)  # a DDP wrapper calls its module
+        with _forward_replaced(plain, functools.partial(dit_forward_tokens, plain)):
+            return model(latents, t, text, text_mask, keep, mixer_blocks)
 
 
 BACKBONES: dict[str, type[Denoiser]] = {"unet": UNetDenoiser, "dit": DiTDenoiser}

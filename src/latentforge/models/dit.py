@@ -33,6 +33,9 @@ The latent side must be a multiple of ``patch_size``: each ``patch_size``-square
 (16x16 latents with patch 2: 64 tokens). The 2D sin-cos position table is recomputed for other
 latent sizes, so one model trains on several resolutions.
 
+:func:`dit_forward_tokens` runs the same model on a subset of its patch tokens (what patch masking
+trains on, ``train/masking.py``); :func:`patchify` lays a latent out as those tokens.
+
 This module knows nothing about training or parallelism.
 """
 
@@ -46,7 +49,8 @@ from diffusers import PixArtTransformer2DModel
 
 from latentforge.errors import ConfigError
 
-__all__ = ["PRESETS", "DiTConfig", "dit_diffusers_config", "build_dit", "dit_num_params"]
+__all__ = ["PRESETS", "DiTConfig", "dit_diffusers_config", "build_dit", "dit_num_params", "patchify", "gather_tokens",
+           "dit_forward_tokens"]
 
 # The PixArt family's fixed choices (diffusers' defaults for this class, written out so that a
 # change of diffusers' defaults cannot change our models).
@@ -172,3 +176,51 @@ def dit_num_params(cfg: DiTConfig) -> int:
     with torch.device("meta"):
         model = build_dit(cfg)
     return sum(p.numel() for p in model.parameters())
+
+
+def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, p*p*C) with N = (H/p)(W/p): token n is the patch at row n // (W/p),
+    column n % (W/p) (the order of the patch embedding's tokens), its values ordered (row in patch,
+    column in patch, channel): the inverse of PixArtTransformer2DModel's unpatchify of ``proj_out``."""
+    b, c, h, w = x.shape
+    p = patch_size
+    x = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
+    return x.reshape(b, (h // p) * (w // p), p * p * c)
+
+
+def gather_tokens(tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """tokens (B, N, D) at the indices ``keep`` (B, K) of each sample: (B, K, D)."""
+    return torch.gather(tokens, 1, keep.to(tokens.device)[..., None].expand(-1, -1, tokens.shape[-1]))
+
+
+def dit_forward_tokens(model: PixArtTransformer2DModel, latents: torch.Tensor, timestep: torch.Tensor,
+                       text: torch.Tensor, text_mask: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+                       mixer_blocks: int = 0) -> torch.Tensor:
+    """The transformer's prediction of the patches ``keep`` (B, K) of ``latents`` (B, C, H, W), as
+    tokens (B, K, p*p*out_channels) in :func:`patchify`'s layout, computed on those tokens only:
+    every patch is embedded (with its position), the first ``mixer_blocks`` blocks run on all of them,
+    then only the kept tokens go on through the remaining blocks and the output layer (MaskDiT,
+    arXiv:2306.09305, sec. 3; MicroDiT's deferred masking, arXiv:2407.15811, sec. 3.2). ``keep``
+    None = every token in order: then the result is the model's own forward, patchified.
+
+    Called as ``model.forward`` (see ``DiTDenoiser.forward_tokens``) so that the wrappers around
+    ``model`` (DDP, FSDP2's root hooks) run as for its own forward; the blocks are called as modules."""
+    b = latents.shape[0]
+    # The caption padding mask as the additive bias the blocks' cross-attention takes (as PixArt's forward).
+    bias = None if text_mask is None else ((1 - text_mask.to(latents.dtype)) * -10000.0).unsqueeze(1)
+    tokens = model.pos_embed(latents)  # (B, N, D): patch embedding plus the 2D sin-cos position
+    t_mod, t_emb = model.adaln_single(timestep, {"resolution": None, "aspect_ratio": None}, batch_size=b,
+                                      hidden_dtype=tokens.dtype)
+    if model.caption_projection is not None:
+        text = model.caption_projection(text).view(b, -1, tokens.shape[-1])
+    blocks = list(model.transformer_blocks)
+    for i, block in enumerate(blocks):
+        if i == mixer_blocks and keep is not None:
+            tokens = gather_tokens(tokens, keep)
+        tokens = block(tokens, encoder_hidden_states=text, encoder_attention_mask=bias, timestep=t_mod)
+    if mixer_blocks >= len(blocks) and keep is not None:
+        tokens = gather_tokens(tokens, keep)
+    # The final adaLN: one (shift, scale) per sample from the timestep embedding (PixArt-alpha, Fig. 4).
+    shift, scale = (model.scale_shift_table[None] + t_emb[:, None].to(model.scale_shift_table.device)).chunk(2, dim=1)
+    tokens = model.norm_out(tokens) * (1 + scale) + shift
+    return model.proj_out(tokens)

@@ -226,7 +226,8 @@ def run_bench(recipe, steps: int = 10, warmup: int = 2, synthetic: bool | None =
         timed = times[warmup:]
         median = statistics.median(timed)
         img_s = micro / median
-        flops = float(train_flops_per_image(unet_cfg, shapes.latent_size, shapes.text_len))
+        flops = float(train_flops_per_image(unet_cfg, shapes.latent_size, shapes.text_len, train.masking_ratio_of(i),
+                                            train.masking.mixer_blocks))
         predicted = estimate_memory(MemoryConfig(
             unet=unet_cfg, latent_size=shapes.latent_size, text_len=shapes.text_len, micro_batch_size=micro,
             precision=precision, ema="off" if train.ema is None else train.ema.device))["total"]

@@ -45,9 +45,17 @@ def as_denoiser(cfg: UNetConfig | DiTConfig | dict | Denoiser) -> Denoiser:
     return denoiser_from_config(cfg)
 
 
-def forward_flops(cfg: UNetConfig | DiTConfig | dict | Denoiser, latent_size: int, text_len: int) -> int:
-    """Forward FLOPs of one image through the denoiser of ``cfg``, counted on the meta device."""
-    return as_denoiser(cfg).forward_flops(latent_size, text_len)
+def forward_flops(cfg: UNetConfig | DiTConfig | dict | Denoiser, latent_size: int, text_len: int,
+                  mask_ratio: float = 0.0, mixer_blocks: int = 0) -> int:
+    """Forward FLOPs of one image through the denoiser of ``cfg``, counted on the meta device;
+    with ``mask_ratio`` > 0 (the transformer): of a patch-masked training forward (train/masking.py)."""
+    den = as_denoiser(cfg)
+    if not mask_ratio:
+        return den.forward_flops(latent_size, text_len)
+    from latentforge.train.masking import num_kept_tokens
+
+    kept = num_kept_tokens(den.num_tokens(latent_size), mask_ratio)
+    return den.forward_flops(latent_size, text_len, kept, mixer_blocks)
 
 
 def unet_forward_flops(cfg: UNetConfig | dict, latent_size: int, text_len: int) -> int:
@@ -56,9 +64,10 @@ def unet_forward_flops(cfg: UNetConfig | dict, latent_size: int, text_len: int) 
     return forward_flops(cfg, latent_size, text_len)
 
 
-def train_flops_per_image(cfg: UNetConfig | DiTConfig | dict | Denoiser, latent_size: int, text_len: int) -> int:
-    """Model FLOPs of one training image: 3x the forward."""
-    return 3 * forward_flops(cfg, latent_size, text_len)
+def train_flops_per_image(cfg: UNetConfig | DiTConfig | dict | Denoiser, latent_size: int, text_len: int,
+                          mask_ratio: float = 0.0, mixer_blocks: int = 0) -> int:
+    """Model FLOPs of one training image: 3x the forward (patch-masked with ``mask_ratio`` > 0)."""
+    return 3 * forward_flops(cfg, latent_size, text_len, mask_ratio, mixer_blocks)
 
 
 @lru_cache(maxsize=None)

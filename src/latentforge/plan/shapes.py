@@ -67,7 +67,8 @@ def unet_for(recipe: "Recipe", shapes: PhaseShapes) -> UNetConfig | DiTConfig:
 
 def recipe_phases(recipe: "Recipe", with_flops: bool = True) -> list[Phase]:
     """The recipe's phases with their sample counts (``samples``, or ``steps`` x global batch) and
-    model FLOPs per training image (counted on the meta device)."""
+    model FLOPs per training image (counted on the meta device; those of the patch-masked forward
+    in a phase that masks)."""
     from latentforge.plan.flops import train_flops_per_image
 
     train = recipe.train
@@ -81,6 +82,7 @@ def recipe_phases(recipe: "Recipe", with_flops: bool = True) -> list[Phase]:
                 raise ConfigError(f"train.phases[{i}].global_batch_size: needed to turn {p.steps} steps into "
                                   "images: set it or train.global_batch_size (or give the phase's samples)")
             samples = p.steps * global_
-        flops = float(train_flops_per_image(unet_for(recipe, s), s.latent_size, s.text_len)) if with_flops else 0.0
+        flops = float(train_flops_per_image(unet_for(recipe, s), s.latent_size, s.text_len, train.masking_ratio_of(i),
+                                            train.masking.mixer_blocks)) if with_flops else 0.0
         out.append(Phase(s.name, s.resolution, samples, flops))
     return out

@@ -31,6 +31,7 @@ from latentforge.models.unet import UNetConfig
 from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import parallelize, resolve_strategy
 from latentforge.train import finetune
+from latentforge.train.masking import check_kept_tokens
 from latentforge.train.trainer import Trainer, TrainConfig, phase_batches
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,10 @@ def resolve_model_config(cfg: TrainConfig, meta: dict[str, Any], source: DataSou
         size, _ = _phase_latent_shape(phase, source or DataSource())
         if size != height:
             denoiser.check_latent_size(size, f"latent side of train.phases[{i}]")
+        if denoiser.masks_patches:
+            field_path = f"train.phases[{i}].masking_ratio" if phase.masking_ratio is not None else "train.masking.ratio"
+            check_kept_tokens(denoiser.num_tokens(size), cfg.masking_ratio_of(i),
+                              f"{size}x{size} latents of train.phases[{i}]", field_path)
     return replace(cfg, **{denoiser.config_field: denoiser.cfg})
 
 
@@ -295,9 +300,10 @@ def _flops_and_peak(cfg: TrainConfig, device: torch.device, model_config: dict[s
     from latentforge.plan.flops import device_peak_flops, train_flops_per_image
 
     flops = []
-    for phase in cfg.phases:
+    for i, phase in enumerate(cfg.phases):
         size, text_len = _phase_latent_shape(phase, source)
-        flops.append(float(train_flops_per_image(model_config, size, text_len)))
+        flops.append(float(train_flops_per_image(model_config, size, text_len, cfg.masking_ratio_of(i),
+                                                 cfg.masking.mixer_blocks)))
     precision = "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda") else "fp32"
     peak, _ = device_peak_flops(device, precision)
     return flops, peak

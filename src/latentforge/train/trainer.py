@@ -13,6 +13,10 @@ exactly the same noise for the same sample. This is also the per-rank randomness
 training: ranks see different positions, hence different noise, without a per-rank generator
 whose state would have to be checkpointed and could not be re-split when the rank count changes.
 
+With patch masking (``train.masking``, the transformer only) a step keeps a random subset of each
+sample's patch tokens, drawn from (seed, position) the same way (``train/masking.py``), and takes
+the loss on those patches only.
+
 Under FSDP2 (``parallel.strategy=fsdp``) the model's parameters are sharded DTensors: checkpoints
 are then written by every rank through ``distributed/dcp.py`` (DCP shards plus consolidated
 safetensors), and the same directory scheme and completion marker apply.
@@ -51,10 +55,11 @@ from latentforge.distributed.parallelize import ParallelConfig
 from latentforge.errors import ConfigError, Problem, Problems, UserError
 from latentforge.interrupt import InterruptConfig, StopOnSignal
 from latentforge.models.denoiser import denoiser_of
-from latentforge.models.dit import DiTConfig
+from latentforge.models.dit import PRESETS, DiTConfig, dit_diffusers_config, gather_tokens, patchify
 from latentforge.models.unet import UNetConfig
 from latentforge.train.ema import EMA, EMAConfig
 from latentforge.train.finetune import LoRAConfig, load_trainable_state_dict, trainable_state_dict
+from latentforge.train.masking import MaskingConfig, num_kept_tokens, sample_keep
 from latentforge.train.loggers import MetricLogger, close_loggers, open_loggers
 from latentforge.train.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm
 from latentforge.train.rng import rng_state, set_rng_state
@@ -77,6 +82,9 @@ class PhaseConfig:
     micro_batch_size: int = field(default=0, metadata={"help": "samples per rank per forward pass; 0 = train.micro_batch_size"})
     global_batch_size: int = field(default=0, metadata={"help": "samples per optimizer step; 0 = train.global_batch_size"})
     lr: float = field(default=0.0, metadata={"help": "peak learning rate of this phase; 0 = optim.lr"})
+    masking_ratio: float | None = field(default=None, metadata={
+        "help": "fraction of the latent patches dropped in this phase's training samples (train.model: dit); "
+                "null = train.masking.ratio, 0 = unmasked (e.g. a final unmasked phase, as MicroDiT ends)"})
 
     def validate(self) -> None:
         problems = Problems()
@@ -91,6 +99,9 @@ class PhaseConfig:
             problems.add(f"resolution: must be >= 0, got {self.resolution}; 0 = the resolution of the latents")
         if self.lr < 0:
             problems.add(f"lr: must be >= 0, got {self.lr}; 0 = train.optim.lr")
+        if self.masking_ratio is not None and not 0 <= self.masking_ratio < 1:
+            problems.add(f"masking_ratio: must be >= 0 and < 1, got {self.masking_ratio}; the fraction of patches "
+                         "dropped in this phase (0 = unmasked, null = train.masking.ratio)")
         for i, ds in enumerate(self.datasets):
             problems.nested(f"datasets[{i}]", ds)
         problems.raise_if_any()
@@ -160,6 +171,8 @@ class TrainConfig:
     dit: DiTConfig = field(default_factory=DiTConfig, metadata={
         "help": "the diffusion transformer (train.model: dit)"})
     noise: NoiseScheduleConfig = field(default_factory=NoiseScheduleConfig, metadata={"help": "the noise schedule"})
+    masking: MaskingConfig = field(default_factory=MaskingConfig, metadata={
+        "help": "patch masking of the transformer's training steps (MaskDiT, MicroDiT); off by default"})
     min_snr_gamma: float = field(default=0.0, metadata={"help": "min-SNR-gamma loss weighting; 0 = off (5 is usual)"})
     offset_noise: float = field(default=0.0, metadata={"help": "offset-noise strength; 0 = off (0.05-0.1 is usual)"})
     sample_posterior: bool = field(default=True, metadata={
@@ -235,7 +248,7 @@ class TrainConfig:
                 problems.add("sampling.sampler: ddpm has no flow-matching form here; use ddim, dpm++ or euler")
         # The nested sections are validated by from_dict already (a check reached twice is reported once);
         # here again for a TrainConfig built in code.
-        for name in ("unet", "dit", "noise", "optim", "checkpoint", "eval", "interrupt", "parallel"):
+        for name in ("unet", "dit", "noise", "masking", "optim", "checkpoint", "eval", "interrupt", "parallel"):
             problems.nested(name, getattr(self, name))
         for name in ("ema", "lora"):
             if getattr(self, name) is not None:
@@ -257,11 +270,32 @@ class TrainConfig:
             elif self.precision != "bf16":
                 problems.add(f"frozen_dtype: bfloat16 base weights need precision bf16 (autocast), got precision "
                              f"{self.precision}; set train.precision: bf16")
+        # Patch masking needs the transformer's patch tokens, and blocks left to mask after the mixer.
+        if self.model != "dit":
+            if self.masking.ratio > 0:
+                problems.add(f"masking.ratio: {self.masking.ratio} masks the transformer's patch tokens, and "
+                             f"train.model is {self.model}: set train.model: dit, or 0")
+            for i, p in enumerate(self.phases):
+                if p.masking_ratio:
+                    problems.add(f"phases[{i}].masking_ratio: {p.masking_ratio} masks the transformer's patch "
+                                 f"tokens, and train.model is {self.model}: set train.model: dit, or remove it")
+        elif self.masking.mixer_blocks > 0 and self.dit.preset in PRESETS:
+            num_layers = dit_diffusers_config(self.dit, validate=False)["num_layers"]
+            if self.masking.mixer_blocks >= num_layers:
+                problems.add(f"masking.mixer_blocks: {self.masking.mixer_blocks} of the transformer's {num_layers} "
+                             "blocks leaves none to run on the kept patches only: use fewer")
         if self.model != "unet" and self.init_from:
             # A fine-tune continues the base pipeline's own U-Net: it cannot become another family.
             problems.add(f"model: {self.model} cannot fine-tune init_from={self.init_from} (a Stable Diffusion "
                          "pipeline's U-Net): remove train.model, or train the transformer from scratch")
         problems.raise_if_any()
+
+
+    def masking_ratio_of(self, phase: int) -> float:
+        """The fraction of patches the training steps of phase ``phase`` drop: the phase's
+        masking_ratio, else masking.ratio."""
+        own = self.phases[phase].masking_ratio if phase < len(self.phases) else None
+        return self.masking.ratio if own is None else own
 
 
 def lora_parallel_problems(parallel: ParallelConfig) -> list[Problem]:
@@ -543,13 +577,28 @@ class Trainer:
             target = training_target(x0, noise, t, self.alphas_cumprod, cfg.noise.prediction_type)
         hidden = batch["text_hidden"].to(self.device, non_blocking=True)
         mask = batch["text_mask"].to(self.device, non_blocking=True) if self.denoiser.uses_text_mask else None
+        hidden = hidden.to(self.autocast_dtype or torch.float32)
+        ratio = self.masking_ratio()
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            pred = self.denoiser.forward(self.train_model, x_t, t, hidden.to(self.autocast_dtype or torch.float32),
-                                         mask)
+            if ratio:
+                # Patch masking (train/masking.py): the prediction and the loss of the kept patches only.
+                p = self.denoiser.patch_size()
+                num_tokens = (shape[-2] // p) * (shape[-1] // p)
+                keep = sample_keep(cfg.seed, batch["_position"], num_tokens, num_kept_tokens(num_tokens, ratio))
+                keep = keep.to(self.device)
+                pred = self.denoiser.forward_tokens(self.train_model, x_t, t, hidden, mask, keep,
+                                                    cfg.masking.mixer_blocks)
+                target = gather_tokens(patchify(target, p), keep)
+            else:
+                pred = self.denoiser.forward(self.train_model, x_t, t, hidden, mask)
         weights = None
         if cfg.min_snr_gamma:
             weights = min_snr_weight(snr(self.alphas_cumprod, t), cfg.min_snr_gamma, cfg.noise.prediction_type)
         return diffusion_loss(pred, target, weights)
+
+    def masking_ratio(self) -> float:
+        """The fraction of patches this phase's training steps drop."""
+        return self.cfg.masking_ratio_of(self.phase)
 
     def _flow_time(self, latent_shape: tuple[int, ...]) -> Callable[[torch.Generator], torch.Tensor]:
         """The draw of one sample's sigma, shifted for this latent size (SD3 sec. 3.1 and 5.3.2)."""
