@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from scipy.stats import binomtest
 
-from latentforge.data.synth import POSITIONS, SynthConfig, TEMPLATES, caption_for, generate
+from latentforge.data.synth import COLORS, POSITIONS, SynthConfig, TEMPLATES, caption_for, generate
 from latentforge.errors import ConfigError
 from latentforge.evaluate import alignment
 from latentforge.evaluate.alignment import Prompt, check_new_wordings, make_prompts, score
@@ -69,10 +69,16 @@ def test_nonshapes_are_deterministic_and_labelled():
     a, b = nonshape_set(40, 5, 64), nonshape_set(40, 5, 64)
     assert [np.asarray(x.image).tobytes() for x in a] == [np.asarray(x.image).tobytes() for x in b]
     assert {x.kind for x in nonshape_set(200, 1, 64)} == set(NONSHAPE_KINDS)
-    for x in a:
+    for x in nonshape_set(300, 5, 64):
         assert x.image.size == (64, 64)
-        assert (x.shape == NONE) == (x.kind != "two-colour")
-        assert (x.color is None) == (x.kind in ("two-colour", "empty"))
+        if x.kind not in ("two-colour", "dull"):  # those two keep an in-set outline's shape
+            assert x.shape == NONE, x.kind
+        assert x.kind != "two-colour" or x.shape != NONE
+        assert (x.color is None) == (x.kind in ("two-colour", "two-colour-blob", "dull", "empty"))
+        assert (x.position is None) == (x.kind in ("merged", "pair", "empty"))
+        if x.kind == "dull":  # gray or brown: every pixel far from every colour of the six
+            rgb = np.asarray(x.image, dtype=float).reshape(-1, 1, 3)
+            assert np.linalg.norm(rgb - np.asarray(list(COLORS.values()), dtype=float), axis=2).min() > 60
     empty = [x for x in nonshape_set(200, 1, 64) if x.kind == "empty"][0]
     assert np.asarray(empty.image).std(axis=2).max() == 0  # gray background only
 

@@ -55,6 +55,8 @@ class JudgeConfig:
     blur_prob: float = field(default=0.4, metadata={"help": "share of training images blurred (sigma 0.5-1.2 px)"})
     resample_prob: float = field(default=0.3, metadata={
         "help": "share of training images down-sampled 2x and up-sampled again"})
+    halo_prob: float = field(default=0.3, metadata={
+        "help": "share of training images given a halo (an overshoot at the edges, as decoded samples have)"})
     noise_std: float = field(default=0.06, metadata={"help": "largest std of added noise, in [-1, 1] units"})
     seed: int = field(default=0, metadata={"help": "initialisation, augmentation and non-shape seed"})
 
@@ -62,7 +64,7 @@ class JudgeConfig:
         problems = Problems()
         if not 0.0 <= self.floor < 1.0:
             problems.add(f"floor: must be in [0, 1), got {self.floor}")
-        for name in ("blur_prob", "resample_prob"):
+        for name in ("blur_prob", "resample_prob", "halo_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 problems.add(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         for name in ("epochs", "batch_size", "width"):
@@ -150,10 +152,11 @@ def down_up(x: torch.Tensor, factor: int = 2) -> torch.Tensor:
 
 
 def _augment(x: torch.Tensor, cfg: JudgeConfig, g: torch.Generator) -> torch.Tensor:
-    """What decoded samples look like: softer (blur, down/up-sampling), noisier, colours a little off."""
+    """What decoded samples look like: softer (blur, down/up-sampling), haloed edges, noisier,
+    colours a little off."""
     x = x.clone()
     n = len(x)
-    u = torch.rand(n, 2, generator=g)
+    u = torch.rand(n, 3, generator=g)
     resample = u[:, 0] < cfg.resample_prob
     if resample.any():
         x[resample] = down_up(x[resample])
@@ -161,6 +164,11 @@ def _augment(x: torch.Tensor, cfg: JudgeConfig, g: torch.Generator) -> torch.Ten
     if blur_mask.any():
         sigma = float(0.5 + 0.7 * torch.rand(1, generator=g))  # one sigma per batch: one conv
         x[blur_mask] = _gaussian_blur(x[blur_mask], sigma)
+    halo = u[:, 2] < cfg.halo_prob
+    if halo.any():  # unsharp masking: a dark/bright ring around each edge, as a VAE decoder's ringing
+        sigma = float(1.0 + torch.rand(1, generator=g))
+        k = 0.3 + 0.7 * torch.rand(int(halo.sum()), 1, 1, 1, generator=g)
+        x[halo] = x[halo] + k * (x[halo] - _gaussian_blur(x[halo], sigma))
     gain = 1 + 0.08 * (2 * torch.rand(n, 3, 1, 1, generator=g) - 1)
     shift = 0.05 * (2 * torch.rand(n, 3, 1, 1, generator=g) - 1)
     x = x * gain + shift
@@ -230,10 +238,12 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
         # a class the dataset does not use (e.g. a colour left out of synth.colors) is never a target
         labels[a] = torch.tensor([_IGNORE if v is not None and v not in classes_a else
                                   (_UNIFORM if v is None else classes_a.index(v)) for v in values[a]])
-    # merged shapes: no single size/position (None there means "no right answer" only for empty images)
-    merged = torch.tensor([False] * sum(len(p[0]) for p in parts) + [n.kind == "merged" for n in non])
-    labels["size"][merged] = _IGNORE
-    labels["position"][merged] = _IGNORE
+    # a non-shape without a size or a position (two shapes, merged or apart) is not a lesson in either;
+    # only an empty image has "no right answer" there (uniform target)
+    num_real = sum(len(p[0]) for p in parts)
+    for a in ("size", "position"):
+        unset = torch.tensor([False] * num_real + [getattr(n, a) is None and n.kind != "empty" for n in non])
+        labels[a][unset] = _IGNORE
     train_judge(torch.cat(xs), labels, model, cfg, progress=progress)
     report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": len(non),
               "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor, "classes": model.classes}
@@ -323,9 +333,14 @@ def validate_judge(model: Judge, check_dir: Path, size: int, cfg: JudgeConfig,
         if n.shape == NONE:
             by_kind.setdefault(n.kind, []).append(int(s == NONE))
     two = [c == NONE for c, n in zip(v["color"], non) if n.kind == "two-colour"]
+    no_colour: dict[str, list[int]] = {}  # renders with no colour of the six: how often the colour verdict is "none"
+    for c, n in zip(v["color"], non):
+        if n.color is None and n.kind != "empty":
+            no_colour.setdefault(n.kind, []).append(int(c == NONE))
     result["nonshapes"] = {"num": len(rejected), "shape_rejected": float(np.mean(rejected)) if rejected else None,
                            "by_kind": {k: float(np.mean(r)) for k, r in sorted(by_kind.items())},
-                           "two_colour_color_rejected": float(np.mean(two)) if two else None}
+                           "two_colour_color_rejected": float(np.mean(two)) if two else None,
+                           "color_rejected_by_kind": {k: float(np.mean(r)) for k, r in sorted(no_colour.items())}}
     return result
 
 
