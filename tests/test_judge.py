@@ -118,26 +118,40 @@ def test_judge_learns_every_attribute_and_says_none(tmp_path, one_thread):
     assert chance(judge.classes)["both"] == 1 / 36 and chance(judge.classes)["position"] == 1 / 9
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "measured: the judge at the demo's settings agrees on colour 39/44, shape 62/66, size 35/39, position 58/63 "
-    "of the fixture (under 95%): two-colour blobs get one colour, 4 blurred blobs get a shape (star, diamond, "
-    "circle), gray blobs get no position; see docs/demo.md. Strict: remove this mark once the judge passes."))
-def test_judge_at_the_demo_settings_agrees_with_labels_assigned_by_eye(tmp_path):
-    """The judge exactly as the demo trains it (recipe tiny-cpu: its synth data and demo.judge)
-    against tests/fixtures/judge/labels.jsonl (generated images labelled by looking at each)."""
+@pytest.fixture(scope="module")
+def demo_judge_on_fixture(tmp_path_factory):
+    """The judge exactly as the demo trains it (recipe tiny-cpu: its synth data and demo.judge), its
+    verdicts on tests/fixtures/judge/ (generated images labelled by looking at each) and the labels."""
     from latentforge.recipe import load_recipe
 
     recipe = load_recipe("tiny-cpu")
-    generate(tmp_path / "synth", recipe.synth, progress=False)
-    judge, _ = build_judge([tmp_path / "synth"], recipe.ingest.image.resolution, recipe.demo.judge)
+    synth = tmp_path_factory.mktemp("demo-judge") / "synth"
+    generate(synth, recipe.synth, progress=False)
+    judge, _ = build_judge([synth], recipe.ingest.image.resolution, recipe.demo.judge)
     rows = [json.loads(line) for line in (FIXTURE / "labels.jsonl").read_text().splitlines() if line]
     assert len(rows) >= 60
     images = [Image.open(FIXTURE / r["file"]) for r in rows]
     found = verdicts(judge, images, recipe.ingest.image.resolution, recipe.demo.judge.floor)
     wanted = {a: [r[a] for r in rows] for a in ("color", "shape", "size", "position")}
-    counts = agreement(found, wanted)
     wrong = [(r["file"], a, found[a][i], r[a]) for i, r in enumerate(rows) for a in wanted
              if r[a] is not None and found[a][i] != r[a]]
-    for a in ("color", "shape", "size", "position"):
-        assert counts[a]["right"] >= 0.95 * counts[a]["num"], (a, counts, wrong)
+    return agreement(found, wanted), wrong
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attribute", ["color", "size", "position"])
+def test_judge_at_the_demo_settings_agrees_with_labels_assigned_by_eye(demo_judge_on_fixture, attribute):
+    counts, wrong = demo_judge_on_fixture
+    assert counts[attribute]["right"] >= 0.95 * counts[attribute]["num"], (attribute, counts, wrong)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "measured: the judge at the demo's settings agrees on the shape of 115 of the 126 fixture images (91%, "
+    "under 95%): it names a shape for 10 near-misses labelled none (a shield, a blob and X-shaped blobs as "
+    "squares, blobs and a smudge as diamonds, a blurred and a clipped round blob as circles, a small "
+    "rotated-square blob as a cross) and rejects one circle; see docs/demo.md. Strict: remove this mark "
+    "once the judge passes."))
+def test_judge_at_the_demo_settings_agrees_with_shapes_assigned_by_eye(demo_judge_on_fixture):
+    counts, wrong = demo_judge_on_fixture
+    assert counts["shape"]["right"] >= 0.95 * counts["shape"]["num"], (counts, wrong)

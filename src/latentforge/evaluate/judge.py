@@ -55,6 +55,9 @@ class JudgeConfig:
     blur_prob: float = field(default=0.4, metadata={"help": "share of training images blurred (sigma 0.5-1.2 px)"})
     resample_prob: float = field(default=0.3, metadata={
         "help": "share of training images down-sampled 2x and up-sampled again"})
+    smear_prob: float = field(default=0.0, metadata={
+        "help": "share of training images blurred past recognition (sigma 1.8-2.6 px): their shape answer is "
+                "'none', their colour, size and position stay (a blurred blob still has them)"})
     halo_prob: float = field(default=0.3, metadata={
         "help": "share of training images given a halo (an overshoot at the edges, as decoded samples have)"})
     noise_std: float = field(default=0.06, metadata={"help": "largest std of added noise, in [-1, 1] units"})
@@ -64,7 +67,7 @@ class JudgeConfig:
         problems = Problems()
         if not 0.0 <= self.floor < 1.0:
             problems.add(f"floor: must be in [0, 1), got {self.floor}")
-        for name in ("blur_prob", "resample_prob", "halo_prob"):
+        for name in ("blur_prob", "resample_prob", "halo_prob", "smear_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 problems.add(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         for name in ("epochs", "batch_size", "width"):
@@ -151,12 +154,16 @@ def down_up(x: torch.Tensor, factor: int = 2) -> torch.Tensor:
     return F.interpolate(small, size=x.shape[-2:], mode="bilinear", align_corners=False)
 
 
-def _augment(x: torch.Tensor, cfg: JudgeConfig, g: torch.Generator) -> torch.Tensor:
+def _augment(x: torch.Tensor, cfg: JudgeConfig, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """What decoded samples look like: softer (blur, down/up-sampling), haloed edges, noisier,
-    colours a little off."""
+    colours a little off; and a few smeared past recognition. Returns the images and which were
+    smeared (their shape answer is "none")."""
     x = x.clone()
     n = len(x)
-    u = torch.rand(n, 3, generator=g)
+    u = torch.rand(n, 4, generator=g)
+    smear = u[:, 3] < cfg.smear_prob
+    if smear.any():
+        x[smear] = _gaussian_blur(x[smear], float(1.8 + 0.8 * torch.rand(1, generator=g)))
     resample = u[:, 0] < cfg.resample_prob
     if resample.any():
         x[resample] = down_up(x[resample])
@@ -173,7 +180,7 @@ def _augment(x: torch.Tensor, cfg: JudgeConfig, g: torch.Generator) -> torch.Ten
     shift = 0.05 * (2 * torch.rand(n, 3, 1, 1, generator=g) - 1)
     x = x * gain + shift
     x = x + cfg.noise_std * torch.rand(n, 1, 1, 1, generator=g) * torch.randn(x.shape, generator=g)
-    return x.clamp(-1.2, 1.2)
+    return x.clamp(-1.2, 1.2), smear
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -194,14 +201,18 @@ def train_judge(x: torch.Tensor, labels: dict[str, torch.Tensor], model: Judge, 
     steps_per_epoch = (n + cfg.batch_size - 1) // cfg.batch_size
     total = cfg.epochs * steps_per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * s / total)))
+    none_index = torch.tensor(model.classes["shape"].index(NONE))
     model.train()
     with tqdm(total=total, desc="judge", unit="step", disable=not progress) as bar:
         for _ in range(cfg.epochs):
             perm = torch.randperm(n, generator=g)
             for i in range(0, n, cfg.batch_size):
                 idx = perm[i:i + cfg.batch_size]
-                out = model(_augment(x[idx], cfg, g))
-                loss = sum(_loss(out[a], labels[a][idx]) for a in ATTRIBUTES)
+                xb, smeared = _augment(x[idx], cfg, g)
+                out = model(xb)
+                target = {a: labels[a][idx] for a in ATTRIBUTES}
+                target["shape"] = torch.where(smeared, none_index, target["shape"])
+                loss = sum(_loss(out[a], target[a]) for a in ATTRIBUTES)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
