@@ -6,10 +6,13 @@ an explicit rejection class ``"none"``), size (small/large) and position (the ni
 It trains on the real renders of the built-in dataset (both splits: it is an instrument, not part
 of the generative model, and seeing every combination keeps it unbiased on the held-out ones) and
 on renders of what is *not* a shape of the set (:mod:`latentforge.evaluate.nonshapes`: ellipses,
-pentagons, hexagons, blobs, lobed shapes, rings, merged and broken shapes, two-colour shapes,
-empty backgrounds), so that a blob is rejected instead of counted as the nearest shape. Training
-images are degraded as decoded samples are (blur, down-sampling then up-sampling, noise, a small
-colour shift). A verdict whose softmax confidence is under ``floor`` is ``"none"`` as well.
+pentagons, hexagons, blobs, lobed shapes, rings, merged and broken shapes, the near-misses of a
+denoiser -- keyholes, squeezed, warped and halfway shapes, shields, arrowheads, two shapes apart --
+shapes and blobs in two colours or in gray, empty backgrounds), so that a blob is rejected instead
+of counted as the nearest shape. Training images are degraded as decoded samples are (blur,
+down-sampling then up-sampling, a halo at the edges, noise, a small colour shift), and a few are
+blurred past recognition with the shape answer "none". A verdict whose softmax confidence is
+under ``floor`` is ``"none"`` as well.
 
 :func:`validate_judge` measures it on fresh renders (another seed), clean and degraded (blurred,
 down/up-sampled, passed through an autoencoder), and on fresh non-shapes; the evaluation must use
