@@ -222,6 +222,8 @@ CASES = [
     c("demo.judge.floor", "1.0", "must be in [0, 1)"),
     c("demo.judge.blur_prob", "2", "must be in [0, 1]"),
     c("demo.judge.resample_prob", "-1", "must be in [0, 1]"),
+    c("demo.judge.halo_prob", "1.5", "must be in [0, 1]"),
+    c("demo.judge.smear_prob", "-0.1", "must be in [0, 1]"),
     c("demo.judge.epochs", "0", "must be >= 1"),
     c("demo.judge.batch_size", "0", "must be >= 1"),
     c("demo.judge.width", "0", "must be >= 1"),

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from scipy.stats import binomtest
 
-from latentforge.data.synth import POSITIONS, SynthConfig, TEMPLATES, caption_for, generate
+from latentforge.data.synth import COLORS, POSITIONS, SynthConfig, TEMPLATES, caption_for, generate
 from latentforge.errors import ConfigError
 from latentforge.evaluate import alignment
 from latentforge.evaluate.alignment import Prompt, check_new_wordings, make_prompts, score
@@ -69,10 +69,16 @@ def test_nonshapes_are_deterministic_and_labelled():
     a, b = nonshape_set(40, 5, 64), nonshape_set(40, 5, 64)
     assert [np.asarray(x.image).tobytes() for x in a] == [np.asarray(x.image).tobytes() for x in b]
     assert {x.kind for x in nonshape_set(200, 1, 64)} == set(NONSHAPE_KINDS)
-    for x in a:
+    for x in nonshape_set(300, 5, 64):
         assert x.image.size == (64, 64)
-        assert (x.shape == NONE) == (x.kind != "two-colour")
-        assert (x.color is None) == (x.kind in ("two-colour", "empty"))
+        if x.kind not in ("two-colour", "dull"):  # those two keep an in-set outline's shape
+            assert x.shape == NONE, x.kind
+        assert x.kind != "two-colour" or x.shape != NONE
+        assert (x.color is None) == (x.kind in ("two-colour", "two-colour-blob", "dull", "empty"))
+        assert (x.position is None) == (x.kind in ("merged", "pair", "empty"))
+        if x.kind == "dull":  # gray or brown: every pixel far from every colour of the six
+            rgb = np.asarray(x.image, dtype=float).reshape(-1, 1, 3)
+            assert np.linalg.norm(rgb - np.asarray(list(COLORS.values()), dtype=float), axis=2).min() > 60
     empty = [x for x in nonshape_set(200, 1, 64) if x.kind == "empty"][0]
     assert np.asarray(empty.image).std(axis=2).max() == 0  # gray background only
 
@@ -112,26 +118,40 @@ def test_judge_learns_every_attribute_and_says_none(tmp_path, one_thread):
     assert chance(judge.classes)["both"] == 1 / 36 and chance(judge.classes)["position"] == 1 / 9
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "measured: the judge at the demo's settings agrees on colour 39/44, shape 62/66, size 35/39, position 58/63 "
-    "of the fixture (under 95%): two-colour blobs get one colour, 4 blurred blobs get a shape (star, diamond, "
-    "circle), gray blobs get no position; see docs/demo.md. Strict: remove this mark once the judge passes."))
-def test_judge_at_the_demo_settings_agrees_with_labels_assigned_by_eye(tmp_path):
-    """The judge exactly as the demo trains it (recipe tiny-cpu: its synth data and demo.judge)
-    against tests/fixtures/judge/labels.jsonl (generated images labelled by looking at each)."""
+@pytest.fixture(scope="module")
+def demo_judge_on_fixture(tmp_path_factory):
+    """The judge exactly as the demo trains it (recipe tiny-cpu: its synth data and demo.judge), its
+    verdicts on tests/fixtures/judge/ (generated images labelled by looking at each) and the labels."""
     from latentforge.recipe import load_recipe
 
     recipe = load_recipe("tiny-cpu")
-    generate(tmp_path / "synth", recipe.synth, progress=False)
-    judge, _ = build_judge([tmp_path / "synth"], recipe.ingest.image.resolution, recipe.demo.judge)
+    synth = tmp_path_factory.mktemp("demo-judge") / "synth"
+    generate(synth, recipe.synth, progress=False)
+    judge, _ = build_judge([synth], recipe.ingest.image.resolution, recipe.demo.judge)
     rows = [json.loads(line) for line in (FIXTURE / "labels.jsonl").read_text().splitlines() if line]
     assert len(rows) >= 60
     images = [Image.open(FIXTURE / r["file"]) for r in rows]
     found = verdicts(judge, images, recipe.ingest.image.resolution, recipe.demo.judge.floor)
     wanted = {a: [r[a] for r in rows] for a in ("color", "shape", "size", "position")}
-    counts = agreement(found, wanted)
     wrong = [(r["file"], a, found[a][i], r[a]) for i, r in enumerate(rows) for a in wanted
              if r[a] is not None and found[a][i] != r[a]]
-    for a in ("color", "shape", "size", "position"):
-        assert counts[a]["right"] >= 0.95 * counts[a]["num"], (a, counts, wrong)
+    return agreement(found, wanted), wrong
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attribute", ["color", "size", "position"])
+def test_judge_at_the_demo_settings_agrees_with_labels_assigned_by_eye(demo_judge_on_fixture, attribute):
+    counts, wrong = demo_judge_on_fixture
+    assert counts[attribute]["right"] >= 0.95 * counts[attribute]["num"], (attribute, counts, wrong)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "measured: the judge at the demo's settings agrees on the shape of 115 of the 126 fixture images (91%, "
+    "under 95%): it names a shape for 10 near-misses labelled none (a shield, a blob and X-shaped blobs as "
+    "squares, blobs and a smudge as diamonds, a blurred and a clipped round blob as circles, a small "
+    "rotated-square blob as a cross) and rejects one circle; see docs/demo.md. Strict: remove this mark "
+    "once the judge passes."))
+def test_judge_at_the_demo_settings_agrees_with_shapes_assigned_by_eye(demo_judge_on_fixture):
+    counts, wrong = demo_judge_on_fixture
+    assert counts["shape"]["right"] >= 0.95 * counts["shape"]["num"], (counts, wrong)

@@ -6,10 +6,13 @@ an explicit rejection class ``"none"``), size (small/large) and position (the ni
 It trains on the real renders of the built-in dataset (both splits: it is an instrument, not part
 of the generative model, and seeing every combination keeps it unbiased on the held-out ones) and
 on renders of what is *not* a shape of the set (:mod:`latentforge.evaluate.nonshapes`: ellipses,
-pentagons, hexagons, blobs, lobed shapes, rings, merged and broken shapes, two-colour shapes,
-empty backgrounds), so that a blob is rejected instead of counted as the nearest shape. Training
-images are degraded as decoded samples are (blur, down-sampling then up-sampling, noise, a small
-colour shift). A verdict whose softmax confidence is under ``floor`` is ``"none"`` as well.
+pentagons, hexagons, blobs, lobed shapes, rings, merged and broken shapes, the near-misses of a
+denoiser -- keyholes, squeezed, warped and halfway shapes, shields, arrowheads, two shapes apart --
+shapes and blobs in two colours or in gray, empty backgrounds), so that a blob is rejected instead
+of counted as the nearest shape. Training images are degraded as decoded samples are (blur,
+down-sampling then up-sampling, a halo at the edges, noise, a small colour shift), and a few are
+blurred past recognition with the shape answer "none". A verdict whose softmax confidence is
+under ``floor`` is ``"none"`` as well.
 
 :func:`validate_judge` measures it on fresh renders (another seed), clean and degraded (blurred,
 down/up-sampled, passed through an autoencoder), and on fresh non-shapes; the evaluation must use
@@ -55,6 +58,11 @@ class JudgeConfig:
     blur_prob: float = field(default=0.4, metadata={"help": "share of training images blurred (sigma 0.5-1.2 px)"})
     resample_prob: float = field(default=0.3, metadata={
         "help": "share of training images down-sampled 2x and up-sampled again"})
+    smear_prob: float = field(default=0.0, metadata={
+        "help": "share of training images blurred past recognition (sigma 1.8-2.6 px): their shape answer is "
+                "'none', their colour, size and position stay (a blurred blob still has them)"})
+    halo_prob: float = field(default=0.3, metadata={
+        "help": "share of training images given a halo (an overshoot at the edges, as decoded samples have)"})
     noise_std: float = field(default=0.06, metadata={"help": "largest std of added noise, in [-1, 1] units"})
     seed: int = field(default=0, metadata={"help": "initialisation, augmentation and non-shape seed"})
 
@@ -62,7 +70,7 @@ class JudgeConfig:
         problems = Problems()
         if not 0.0 <= self.floor < 1.0:
             problems.add(f"floor: must be in [0, 1), got {self.floor}")
-        for name in ("blur_prob", "resample_prob"):
+        for name in ("blur_prob", "resample_prob", "halo_prob", "smear_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 problems.add(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         for name in ("epochs", "batch_size", "width"):
@@ -149,11 +157,16 @@ def down_up(x: torch.Tensor, factor: int = 2) -> torch.Tensor:
     return F.interpolate(small, size=x.shape[-2:], mode="bilinear", align_corners=False)
 
 
-def _augment(x: torch.Tensor, cfg: JudgeConfig, g: torch.Generator) -> torch.Tensor:
-    """What decoded samples look like: softer (blur, down/up-sampling), noisier, colours a little off."""
+def _augment(x: torch.Tensor, cfg: JudgeConfig, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """What decoded samples look like: softer (blur, down/up-sampling), haloed edges, noisier,
+    colours a little off; and a few smeared past recognition. Returns the images and which were
+    smeared (their shape answer is "none")."""
     x = x.clone()
     n = len(x)
-    u = torch.rand(n, 2, generator=g)
+    u = torch.rand(n, 4, generator=g)
+    smear = u[:, 3] < cfg.smear_prob
+    if smear.any():
+        x[smear] = _gaussian_blur(x[smear], float(1.8 + 0.8 * torch.rand(1, generator=g)))
     resample = u[:, 0] < cfg.resample_prob
     if resample.any():
         x[resample] = down_up(x[resample])
@@ -161,11 +174,16 @@ def _augment(x: torch.Tensor, cfg: JudgeConfig, g: torch.Generator) -> torch.Ten
     if blur_mask.any():
         sigma = float(0.5 + 0.7 * torch.rand(1, generator=g))  # one sigma per batch: one conv
         x[blur_mask] = _gaussian_blur(x[blur_mask], sigma)
+    halo = u[:, 2] < cfg.halo_prob
+    if halo.any():  # unsharp masking: a dark/bright ring around each edge, as a VAE decoder's ringing
+        sigma = float(1.0 + torch.rand(1, generator=g))
+        k = 0.3 + 0.7 * torch.rand(int(halo.sum()), 1, 1, 1, generator=g)
+        x[halo] = x[halo] + k * (x[halo] - _gaussian_blur(x[halo], sigma))
     gain = 1 + 0.08 * (2 * torch.rand(n, 3, 1, 1, generator=g) - 1)
     shift = 0.05 * (2 * torch.rand(n, 3, 1, 1, generator=g) - 1)
     x = x * gain + shift
     x = x + cfg.noise_std * torch.rand(n, 1, 1, 1, generator=g) * torch.randn(x.shape, generator=g)
-    return x.clamp(-1.2, 1.2)
+    return x.clamp(-1.2, 1.2), smear
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -186,14 +204,18 @@ def train_judge(x: torch.Tensor, labels: dict[str, torch.Tensor], model: Judge, 
     steps_per_epoch = (n + cfg.batch_size - 1) // cfg.batch_size
     total = cfg.epochs * steps_per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * s / total)))
+    none_index = torch.tensor(model.classes["shape"].index(NONE))
     model.train()
     with tqdm(total=total, desc="judge", unit="step", disable=not progress) as bar:
         for _ in range(cfg.epochs):
             perm = torch.randperm(n, generator=g)
             for i in range(0, n, cfg.batch_size):
                 idx = perm[i:i + cfg.batch_size]
-                out = model(_augment(x[idx], cfg, g))
-                loss = sum(_loss(out[a], labels[a][idx]) for a in ATTRIBUTES)
+                xb, smeared = _augment(x[idx], cfg, g)
+                out = model(xb)
+                target = {a: labels[a][idx] for a in ATTRIBUTES}
+                target["shape"] = torch.where(smeared, none_index, target["shape"])
+                loss = sum(_loss(out[a], target[a]) for a in ATTRIBUTES)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -230,10 +252,12 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
         # a class the dataset does not use (e.g. a colour left out of synth.colors) is never a target
         labels[a] = torch.tensor([_IGNORE if v is not None and v not in classes_a else
                                   (_UNIFORM if v is None else classes_a.index(v)) for v in values[a]])
-    # merged shapes: no single size/position (None there means "no right answer" only for empty images)
-    merged = torch.tensor([False] * sum(len(p[0]) for p in parts) + [n.kind == "merged" for n in non])
-    labels["size"][merged] = _IGNORE
-    labels["position"][merged] = _IGNORE
+    # a non-shape without a size or a position (two shapes, merged or apart) is not a lesson in either;
+    # only an empty image has "no right answer" there (uniform target)
+    num_real = sum(len(p[0]) for p in parts)
+    for a in ("size", "position"):
+        unset = torch.tensor([False] * num_real + [getattr(n, a) is None and n.kind != "empty" for n in non])
+        labels[a][unset] = _IGNORE
     train_judge(torch.cat(xs), labels, model, cfg, progress=progress)
     report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": len(non),
               "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor, "classes": model.classes}
@@ -323,9 +347,14 @@ def validate_judge(model: Judge, check_dir: Path, size: int, cfg: JudgeConfig,
         if n.shape == NONE:
             by_kind.setdefault(n.kind, []).append(int(s == NONE))
     two = [c == NONE for c, n in zip(v["color"], non) if n.kind == "two-colour"]
+    no_colour: dict[str, list[int]] = {}  # renders with no colour of the six: how often the colour verdict is "none"
+    for c, n in zip(v["color"], non):
+        if n.color is None and n.kind != "empty":
+            no_colour.setdefault(n.kind, []).append(int(c == NONE))
     result["nonshapes"] = {"num": len(rejected), "shape_rejected": float(np.mean(rejected)) if rejected else None,
                            "by_kind": {k: float(np.mean(r)) for k, r in sorted(by_kind.items())},
-                           "two_colour_color_rejected": float(np.mean(two)) if two else None}
+                           "two_colour_color_rejected": float(np.mean(two)) if two else None,
+                           "color_rejected_by_kind": {k: float(np.mean(r)) for k, r in sorted(no_colour.items())}}
     return result
 
 

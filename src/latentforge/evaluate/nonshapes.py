@@ -3,8 +3,13 @@
 A judge that only knows the six shapes calls every blob the shape it is closest to. These
 renders teach it to say "none": ellipses, pentagons and hexagons, irregular blobs, lobed
 "Y"/"X" shapes, rings, two shapes merged into one, broken shapes (a band or a wedge cut out),
-and empty backgrounds. Two more kinds are in-set shapes whose *colour* is not one of the six
-answers: a shape in two colours.
+and empty backgrounds; and the near-misses of a denoiser that almost draws a shape: keyholes
+(a shape with a bar stuck to it), shapes stretched to another aspect, shields (half square, half
+circle), arrowheads (a triangle with a notched base or bent-in sides), in-set shapes warped by
+a strong low-frequency wobble, shapes halfway between two shapes of the set (a square with round
+corners, a star with stubby points), and two separate shapes in one image. Three kinds are about the
+*colour*: a shape in two colours (its shape stays the answer), a blob in two colours, and a
+shape or blob in gray or brown (no colour of the six).
 
 The style is the dataset's own (:mod:`latentforge.data.synth`): flat colour on the same light or
 dark gradient backgrounds, drawn at 4x and box-downsampled (exact area anti-aliasing), the same
@@ -32,20 +37,32 @@ from latentforge.data.synth import (
 
 __all__ = ["NONSHAPE_KINDS", "NonShape", "render_nonshape", "nonshape_set"]
 
-# kind -> share of the rejection set. "two-colour" keeps an in-set shape (its shape verdict
-# stays the shape) but has no single colour; "empty" has neither a shape nor a colour.
+# kind -> share of the rejection set (normalised when drawn). "two-colour" keeps an in-set shape
+# (its shape verdict stays the shape) but has no single colour, "dull" (gray or brown) keeps its
+# outline's shape when that is an in-set one; "empty" has neither a shape nor a colour.
 NONSHAPE_KINDS: dict[str, float] = {
-    "ellipse": 0.12,
-    "pentagon": 0.1,
-    "hexagon": 0.08,
-    "blob": 0.16,
-    "lobed": 0.14,
-    "ring": 0.08,
-    "merged": 0.1,
-    "broken": 0.12,
-    "two-colour": 0.06,
-    "empty": 0.04,
+    "ellipse": 0.08,
+    "pentagon": 0.07,
+    "hexagon": 0.06,
+    "blob": 0.1,
+    "lobed": 0.1,
+    "ring": 0.05,
+    "merged": 0.06,
+    "broken": 0.08,
+    "keyhole": 0.1,
+    "stretched": 0.07,
+    "shield": 0.06,
+    "arrowhead": 0.07,
+    "warped": 0.08,
+    "morph": 0.1,
+    "pair": 0.05,
+    "two-colour": 0.05,
+    "two-colour-blob": 0.05,
+    "dull": 0.05,
+    "empty": 0.03,
 }
+# The outlines a two-colour blob or a dull render is drawn with (the in-set ones keep their shape label).
+_BLOB_KINDS = ("blob", "lobed", "ellipse", "keyhole", "shield", "arrowhead", "morph")
 
 
 @dataclass
@@ -54,10 +71,10 @@ class NonShape:
 
     image: Image.Image
     kind: str
-    shape: str | None  # "none" for every kind but "two-colour" (its in-set shape) and None never
-    color: str | None  # None: two colours or no shape
-    size: str | None  # None where the extent is not one of the two sizes (merged, empty)
-    position: str | None  # None where there is no single centre (merged, empty)
+    shape: str  # "none", or the in-set shape of a "two-colour" render or of a "dull" one drawn with it
+    color: str | None  # None: two colours, gray or brown, or no shape
+    size: str | None  # None where the extent is not one of the two sizes (merged, pair, empty)
+    position: str | None  # None where there is no single centre (merged, pair, empty)
 
 
 def _polygon(n: int, radius: float = 1.0, phase: float = -np.pi / 2) -> np.ndarray:
@@ -99,7 +116,95 @@ def _outline(kind: str, rng: np.random.Generator) -> np.ndarray:
         depth = rng.uniform(0.12, 0.28) if k == 5 else rng.uniform(0.35, 0.55)
         ph = np.pi / 4 if k == 4 else rng.uniform(0, 2 * np.pi)  # a 4-lobed blob as an X, never a plus
         return _radial(lambda a: 1.0 - depth * np.abs(np.sin(k * (a - ph) / 2)) ** 1.5)
+    if kind == "shield":  # half square, half circle (a "D", a tombstone), in any of four orientations
+        a = np.arange(48) * np.pi / 47 - np.pi / 2  # the round half: x >= 0
+        half = np.stack([0.8 * np.cos(a), 0.8 * np.sin(a)], 1)
+        pts = np.concatenate([half, [(-0.8, 0.8), (-0.8, -0.8)]])
+        turn = int(rng.integers(4)) * np.pi / 2
+        return pts @ np.array([[np.cos(turn), np.sin(turn)], [-np.sin(turn), np.cos(turn)]])
+    if kind == "arrowhead":  # an upward triangle with a notched base or with its sides bent in
+        t = np.linspace(0, 1, 17)[:-1, None]
+        corners = np.asarray(_OUTLINES["triangle"])
+        if rng.random() < 0.5:
+            notch = rng.uniform(0.35, 0.75)
+            return np.array([corners[0], corners[1], (0.0, corners[1][1] - notch), corners[2]])
+        depth = rng.uniform(0.18, 0.3)
+        pts = []
+        for i in range(3):
+            p, q = corners[i], corners[(i + 1) % 3]
+            edge = p + t * (q - p)
+            inward = -(edge - corners.mean(0))
+            inward /= np.linalg.norm(inward, axis=1, keepdims=True)
+            pts.append(edge + inward * depth * 4 * t * (1 - t))
+        return np.concatenate(pts)
+    if kind == "warped":  # a square, triangle or diamond with a strong low-frequency wobble of its outline
+        base = np.asarray(_OUTLINES[str(rng.choice(["square", "triangle", "diamond"]))])
+        dense = np.concatenate([p + np.linspace(0, 1, 24, endpoint=False)[:, None] * (q - p)
+                                for p, q in zip(base, np.roll(base, -1, 0))])
+        ang = np.arctan2(dense[:, 1], dense[:, 0])
+        ks = np.arange(2, 5)
+        amp = rng.uniform(0.12, 0.25, len(ks))
+        ph = rng.uniform(0, 2 * np.pi, len(ks))
+        return dense * (1 + sum(m * np.cos(k * ang + p) for k, m, p in zip(ks, amp, ph)))[:, None]
     raise ValueError(f"unknown outline kind {kind!r}")
+
+
+def _radius_along(pts: np.ndarray, angles: np.ndarray) -> np.ndarray:
+    """Distance from the origin to a closed outline (origin inside, star-shaped) along each angle."""
+    d = np.stack([np.cos(angles), np.sin(angles)], 1)[:, None, :]  # (A, 1, 2)
+    p, q = pts[None], np.roll(pts, -1, 0)[None]  # edges p -> q, (1, E, 2)
+    e = q - p
+    cross = lambda a, b: a[..., 0] * b[..., 1] - a[..., 1] * b[..., 0]
+    den = cross(d, e)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = cross(p, e) / den  # along the ray
+        u = cross(p, d) / den  # along the edge
+    ok = (np.abs(den) > 1e-12) & (t > 0) & (u >= -1e-9) & (u <= 1 + 1e-9)
+    return np.where(ok, t, np.inf).min(1)
+
+
+def _morph(rng: np.random.Generator) -> np.ndarray:
+    """An outline halfway between two shapes of the set (radii mixed 40-60%): neither of them."""
+    a, b = rng.choice(list(_OUTLINES), size=2, replace=False)
+    angles = np.arange(144) * 2 * np.pi / 144
+    t = rng.uniform(0.4, 0.6)
+    r = (1 - t) * _radius_along(np.asarray(_OUTLINES[str(a)]), angles) + t * _radius_along(
+        np.asarray(_OUTLINES[str(b)]), angles)
+    return np.stack([r * np.cos(angles), r * np.sin(angles)], 1)
+
+
+def _bbox_centred(parts: list[np.ndarray]) -> list[np.ndarray]:
+    """Shift unit outlines so that the box around all of them is centred at the origin (the
+    position of a composite shape is the centre of its region, as a person reads it)."""
+    allp = np.concatenate(parts)
+    mid = (allp.min(0) + allp.max(0)) / 2
+    return [p - mid for p in parts]
+
+
+def _parts(kind: str, rng: np.random.Generator) -> list[np.ndarray]:
+    """The filled unit outlines of a kind (their union is the shape), centred on their box."""
+    if kind == "keyhole":  # a head (an in-set shape, small) with a bar stuck to one side of it
+        head = np.asarray(_OUTLINES[str(rng.choice(["diamond", "circle", "triangle", "square"]))]) * rng.uniform(0.5, 0.65)
+        w, length = rng.uniform(0.18, 0.3), rng.uniform(0.7, 1.1)
+        bar = np.array([(-w, 0.0), (w, 0.0), (w, length), (-w, length)])
+        turn = np.pi if rng.random() < 0.3 else 0.0  # mostly the bar below: the keyholes a weak model draws
+        rot = np.array([[np.cos(turn), np.sin(turn)], [-np.sin(turn), np.cos(turn)]])
+        parts = [head @ rot, bar @ rot]
+        if rng.random() < 0.4:  # side bumps on the bar: an arrow with arms
+            y, arm = rng.uniform(0.2, 0.6) * length, rng.uniform(0.3, 0.5)
+            parts.append(np.array([(-arm, y - w), (arm, y - w), (arm, y + w), (-arm, y + w)]) @ rot)
+        parts = _bbox_centred(parts)
+        scale = 1.0 / max(float(np.abs(np.concatenate(parts)).max()), 1e-6)  # its long side about the diameter
+        return [p * scale for p in parts]
+    if kind == "morph":
+        return [_morph(rng)]
+    if kind == "stretched":  # an in-set shape squeezed across to 0.4-0.6 of its width: no shape of the set
+        pts = np.asarray(_OUTLINES[str(rng.choice(["circle", "square", "diamond", "triangle"]))])
+        squeeze = rng.uniform(0.4, 0.6)
+        if rng.random() < 0.25:  # wide instead of tall
+            return [pts * (1.0, squeeze) / 1.0]
+        return [pts * (squeeze, 1.0)]
+    return [_outline(kind, rng)]
 
 
 def render_nonshape(kind: str, color: str, size: str, position: str, background: str, image_size: int,
@@ -112,9 +217,11 @@ def render_nonshape(kind: str, color: str, size: str, position: str, background:
     canvas = Image.new("L", (side, side), 0)
     draw = ImageDraw.Draw(canvas)
     shape, label_color, label_size, label_pos = "none", color, size, position
-    if kind in ("ellipse", "pentagon", "hexagon", "blob", "lobed"):
-        pts = _outline(kind, rng)
-        draw.polygon(_place(pts, cx, cy, radius, rng.uniform(0, 2 * np.pi) if kind == "ellipse" else rot), fill=255)
+    if kind in ("ellipse", "pentagon", "hexagon", "blob", "lobed", "keyhole", "stretched", "shield", "arrowhead",
+                "warped", "morph"):
+        for pts in _parts(kind, rng):
+            draw.polygon(_place(pts, cx, cy, radius, rng.uniform(0, 2 * np.pi) if kind == "ellipse" else rot),
+                         fill=255)
     elif kind == "ring":
         draw.polygon(_place(_radial(lambda a: np.full_like(a, 0.9)), cx, cy, radius, 0.0), fill=255)
         draw.polygon(_place(_radial(lambda a: np.full_like(a, rng.uniform(0.45, 0.6))), cx, cy, radius, 0.0), fill=0)
@@ -142,15 +249,46 @@ def render_nonshape(kind: str, color: str, size: str, position: str, background:
             arc = np.linspace(a - w / 2, a + w / 2, 16)
             wedge = [(cx, cy)] + [(cx + 2 * radius * np.cos(t), cy + 2 * radius * np.sin(t)) for t in arc]
             draw.polygon(wedge, fill=0)
-    elif kind == "two-colour":  # an in-set shape, half in another colour
-        shape = str(rng.choice(list(_OUTLINES)))
-        draw.polygon(_place(np.asarray(_OUTLINES[shape]), cx, cy, radius, rot), fill=255)
+    elif kind == "pair":  # two separate shapes or blobs, alike in size or not: no single region
+        a = rng.uniform(0, 2 * np.pi)
+        scales = rng.uniform(0.3, 0.7, 2)
+        apart = (scales.sum() + rng.uniform(0.3, 0.9)) * radius  # centre to centre: a gap between them
+        for sign, scale in zip((-1, 1), scales):
+            name = str(rng.choice([*list(_OUTLINES), "blob"]))
+            pts = _outline("blob", rng) if name == "blob" else np.asarray(_OUTLINES[name])
+            d = apart * scale / scales.sum()
+            draw.polygon(_place(pts, cx + sign * d * np.cos(a), cy + sign * d * np.sin(a),
+                                radius * scale, rot), fill=255)
+        label_size = label_pos = None
+    elif kind == "dull":  # a shape or a blob in gray or brown: no colour of the six
+        name = str(rng.choice([*list(_OUTLINES), *_BLOB_KINDS]))
+        for pts in ([np.asarray(_OUTLINES[name])] if name in _OUTLINES else _parts(name, rng)):
+            draw.polygon(_place(pts, cx, cy, radius, rot), fill=255)
+        shape = name if name in _OUTLINES else "none"
+        if rng.random() < 0.7:  # gray, well apart from the background's level
+            level = rng.uniform(50, 120) if background == "light" else rng.uniform(120, 200)
+            fill = np.full(3, level, dtype=np.float32)
+        else:  # brown
+            fill = np.asarray([rng.uniform(110, 160), rng.uniform(65, 95), rng.uniform(20, 50)], dtype=np.float32)
+        out = bg * (1.0 - _coverage(canvas)) + fill * _coverage(canvas)
+        return NonShape(_to_image(out), kind, shape, None, size, position)
+    elif kind in ("two-colour", "two-colour-blob"):  # an in-set shape or a blob, half in another colour
+        if kind == "two-colour":
+            shape = str(rng.choice(list(_OUTLINES)))
+            draw.polygon(_place(np.asarray(_OUTLINES[shape]), cx, cy, radius, rot), fill=255)
+        else:
+            for pts in _parts(str(rng.choice(_BLOB_KINDS)), rng):
+                draw.polygon(_place(pts, cx, cy, radius, rot), fill=255)
         alpha = _coverage(canvas)
         other = str(rng.choice([c for c in COLORS if c != color]))
         a = rng.uniform(0, 2 * np.pi)
         yy, xx = (np.mgrid[0:image_size, 0:image_size] + 0.5) * _SUPERSAMPLE
-        half = ((xx - cx) * np.cos(a) + (yy - cy) * np.sin(a) > 0)[:, :, None]
-        fill = np.where(half, np.asarray(COLORS[other], dtype=np.float32), rgb)
+        # the other colour on one side of a line through the shape (30-70% of it), with a sharp or a
+        # soft border (a blend over up to 0.8 radius, as a blurred sample mixes them)
+        d = (xx - cx) * np.cos(a) + (yy - cy) * np.sin(a) - rng.uniform(-0.35, 0.35) * radius
+        soft = rng.uniform(0.0, 0.8) * radius
+        t = np.clip(0.5 + d / max(soft, 1e-6), 0.0, 1.0)[:, :, None] if soft > 0.05 * radius else (d > 0)[:, :, None]
+        fill = t * np.asarray(COLORS[other], dtype=np.float32) + (1 - t) * rgb
         out = bg * (1.0 - alpha) + fill * alpha
         return NonShape(_to_image(out), kind, shape, None, size, position)
     elif kind == "empty":

@@ -89,6 +89,9 @@ def _judge_validation(j: dict[str, Any]) -> list[str]:
     lines += ["", f"Fresh non-shapes rejected (shape verdict 'none'): {_pct(ns['shape_rejected'])} of {ns['num']} "
               f"({kinds}); two-colour shapes whose colour verdict is 'none': "
               f"{_pct(ns['two_colour_color_rejected']) if ns['two_colour_color_rejected'] is not None else '-'}."]
+    if ns.get("color_rejected_by_kind"):
+        lines[-1] += (" Colour verdict 'none' on renders with no colour of the six: "
+                      + ", ".join(f"{k} {_pct(x)}" for k, x in ns["color_rejected_by_kind"].items()) + ".")
     return lines
 
 
