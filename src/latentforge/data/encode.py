@@ -452,27 +452,30 @@ def _run_job(job: EncodeJob, progress: bool, stop: StopOnSignal | None = None) -
     return finish_encode(job, records)
 
 
-def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool = True) -> dict:
+def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool = True,
+                   encoders: Encoders | None = None) -> dict:
     """Encode the raw dataset at ``raw_dir`` (local or s3://) into latent shards in ``out_dir``
     (one latent dataset per bucket for a bucketed raw dataset, see the module docstring).
 
     Returns the summary ``{"seen", "written", "rejected": {reason: count}}`` (also written to
     ``out_dir/summary.json``); shards finished by an earlier run with the same inputs are kept.
     Stopped by a signal (see the module docstring) it returns ``{"interrupted": signal name}``.
+    ``encoders``: already loaded from ``cfg`` (by default they are loaded here).
     """
     with StopOnSignal(cfg.interrupt, what="encode") as stop:
         try:
-            return _encode_dataset(raw_dir, out_dir, cfg, progress, stop)
+            return _encode_dataset(raw_dir, out_dir, cfg, progress, stop, encoders)
         except _Stopped:
             return {"interrupted": stop.signal_name}
 
 
-def _encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool, stop: StopOnSignal) -> dict:
+def _encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool, stop: StopOnSignal,
+                    enc: Encoders | None) -> dict:
     cfg.validate()
     cfg.require_models()
     raw = read_index(raw_dir)
     resolution = _check_raw(raw_dir, raw)
-    enc = Encoders(cfg, _resolve_device(cfg.device))
+    enc = enc or Encoders(cfg, _resolve_device(cfg.device))
     if raw.meta.get("crop") != "buckets":
         return _run_job(_claim(raw_dir, raw, resolution, out_dir, cfg, enc, None), progress, stop)
     factor = enc.vae_info["downsample_factor"]
