@@ -18,7 +18,8 @@ C. (``--only-forward``, or before A) ``encode_dataset`` against the bare forward
    memory, captions already tokenised; VAE encode to the posterior mean/std + text encoder
    forward, no I/O) and ``encode_dataset``'s rate on the same images read from the raw shards,
    model loading timed apart; the two are run in alternation, ``--rounds`` times each, in one
-   process (a shared machine's load then weighs on both alike); medians and their ratio.
+   process (a shared machine's load then weighs on both alike); medians and their ratio, and the
+   median of each round's ratio (on a loaded machine, many short rounds give the steadier figure).
 
 Prints figures; asserts nothing about time.
 """
@@ -182,8 +183,9 @@ def part_c(raw: Path, tmp: Path, cfg: EncodeConfig, num: int, rounds: int) -> No
         e2e.append(end_to_end(r))
         print(f"   round {r}: forward-only {fwd[-1]:7.1f} img/s, encode_dataset {e2e[-1]:7.1f} img/s")
     f, e = statistics.median(fwd), statistics.median(e2e)
+    ratio = statistics.median(x / y for x, y in zip(e2e, fwd))  # each round's pair ran back to back
     print(f"C. {num} images, batch {b}: forward-only {f:.1f} img/s, encode_dataset {e:.1f} img/s "
-          f"(models loaded), ratio {e / f:.2f}")
+          f"(models loaded), ratio of the medians {e / f:.2f}, median of the rounds' ratios {ratio:.2f}")
 
 
 def _train_dict(recipe) -> dict:

@@ -1,13 +1,16 @@
 """Time to one epoch of a small fine-tune: latentforge (ingest + encode + train) against a
 diffusers-example-style loop (decode + VAE + text encoder every step), and the break-even.
 
-    OMP_NUM_THREADS=1 python bench/bench_finetune_epoch.py [--num 2048] [--rounds 1] [--online]
+    OMP_NUM_THREADS=1 python bench/bench_finetune_epoch.py [--num 2048] [--rounds 1] [--online] [--mask on|pipeline]
 
 The same data and model on both sides: ``--num`` procedurally generated 64 px PNGs with captions
 (the demo's ``synth``, generated before timing), fine-tuned at 32 px; the demo's VAE shape
 (untrained: the cost does not depend on the weights), the built-in MiniLM-L6 text encoder (24
 tokens), the demo's U-Net (4.6M parameters), its micro batch (32), v-prediction with min-SNR 5,
-AdamW at lr 1e-3, EMA 0.995, fp32, one torch thread (set OMP_NUM_THREADS=1).
+AdamW at lr 1e-3, EMA 0.995, fp32, one torch thread (set OMP_NUM_THREADS=1). ``--mask``: the
+encode's ``attention_mask`` (on: the text encoder and the U-Net's cross-attention see the
+captions' padding mask, the demo's setting; pipeline: neither does, as SD 1.x/2.x's CLIP), used on
+every side.
 
 (a) latentforge, in this process as the three commands would run it: ``ingest`` (one worker
     process) of the image folder, ``encode`` (loads the encoders), ``train`` for one epoch
@@ -127,6 +130,9 @@ def theirs(recipe, images: Path, enc, steps: int, batch: int, seed: int) -> dict
     res = recipe.ingest.image.resolution
     tf = transforms.Compose([transforms.Resize(res, interpolation=transforms.InterpolationMode.BILINEAR),
                              transforms.CenterCrop(res), transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
+    # The same model as (a): with encode.attention_mask "on" the text encoder and the U-Net's
+    # cross-attention see the captions' padding mask (the example's SD CLIP runs unmasked).
+    masked = enc.attention_mask == "on"
     files = sorted(images.glob("*.png"))
     order = torch.randperm(len(files)).tolist()
     times["load"] = time.perf_counter() - t0
@@ -134,13 +140,15 @@ def theirs(recipe, images: Path, enc, steps: int, batch: int, seed: int) -> dict
     for step in range(steps):
         sel = [files[i] for i in order[step * batch:(step + 1) * batch]]
         pixels = torch.stack([tf(Image.open(f).convert("RGB")) for f in sel])
-        ids = tokenizer([f.with_suffix(".txt").read_text() for f in sel], max_length=enc.max_length,
-                        padding="max_length", truncation=True, return_tensors="pt").input_ids
+        tokens = tokenizer([f.with_suffix(".txt").read_text() for f in sel], max_length=enc.max_length,
+                           padding="max_length", truncation=True, return_tensors="pt")
+        mask = tokens.attention_mask if masked else None
         latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
         noise = torch.randn_like(latents)
         t = torch.randint(0, 1000, (len(sel),))
-        hidden = text_encoder(ids, return_dict=False)[0]
-        pred = unet(sched.add_noise(latents, noise, t), t, encoder_hidden_states=hidden).sample
+        hidden = text_encoder(tokens.input_ids, attention_mask=mask, return_dict=False)[0]
+        pred = unet(sched.add_noise(latents, noise, t), t, encoder_hidden_states=hidden,
+                    encoder_attention_mask=mask).sample
         target = sched.get_velocity(latents, noise, t)
         snr = compute_snr(sched, t)
         weights = torch.stack([snr, 5.0 * torch.ones_like(t)], dim=1).min(dim=1)[0] / (snr + 1)
@@ -160,6 +168,7 @@ def main() -> None:
     ap.add_argument("--num", type=int, default=2048, help="images (one epoch)")
     ap.add_argument("--rounds", type=int, default=1, help="alternations of the sides")
     ap.add_argument("--online", action="store_true", help="also time (c), train --online-encode on Ray")
+    ap.add_argument("--mask", choices=("on", "pipeline"), default="on", help="encode.attention_mask, all sides")
     args = ap.parse_args()
     recipe = load_recipe("tiny-cpu")
     batch = recipe.train.micro_batch_size
@@ -168,10 +177,11 @@ def main() -> None:
     try:
         generate(tmp / "synth", replace(recipe.synth, num=args.num, num_heldout=0), progress=False)
         build_vae(recipe.vae.model).save_pretrained(tmp / "vae")
-        enc = replace(recipe.encode, vae=str(tmp / "vae"), text_encoder=builtin_text_encoder(), device="cpu")
+        enc = replace(recipe.encode, vae=str(tmp / "vae"), text_encoder=builtin_text_encoder(), device="cpu",
+                      attention_mask=args.mask)
         print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), OMP_NUM_THREADS="
               f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; {args.num} images, batch {batch}, {steps} steps "
-              f"= one epoch, encode batch {enc.batch_size}")
+              f"= one epoch, encode batch {enc.batch_size}, attention mask {args.mask}")
         results: dict[str, list[dict[str, float]]] = {"ours": [], "theirs": [], "online": []}
         for r in range(args.rounds):
             results["ours"].append(ours(recipe, tmp / "synth" / "train", enc, tmp, steps, str(r)))
@@ -191,8 +201,8 @@ def main() -> None:
               f"to one epoch")
         if "online" in med:
             c = med["online"]
-            print(f"(c) ingest {c['ingest']:.1f} s + train --online-encode {c['train']:.1f} s (steps {c['steps']:.1f} s)"
-                  f" = {c['ingest'] + c['train']:.1f} s to one epoch")
+            print(f"(c) ingest {c['ingest']:.1f} s + train --online-encode {c['train']:.1f} s "
+                  f"(steps {c['steps']:.1f} s) = {c['ingest'] + c['train']:.1f} s to one epoch")
         ahead = t["train"] - ours_epoch
         if ahead >= 0:
             print(f"break-even: within the first epoch (latentforge {ahead:.1f} s ahead after one)")
