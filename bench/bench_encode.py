@@ -1,6 +1,7 @@
 """Encoding on Ray against the local encode, and training on online-encoded vs precomputed data.
 
     python bench/bench_encode.py [--num 512] [--actors 1 2] [--steps 20] [--batch 32]
+    OMP_NUM_THREADS=1 python bench/bench_encode.py --only-forward [--num 1024] [--rounds 3] [--batch 64]
 
 Models and data as in the tiny-cpu demo: 32 px PNGs with captions, its VAE shape (16/32 channels,
 2x down-sampling, untrained: the cost does not depend on the weights) and the pretrained
@@ -12,12 +13,21 @@ A. Encode throughput: ``encode_dataset`` in this process vs ``encode --ray`` (Ra
 B. Training img/s (median of the trainer's per-step figure after 3 warm-up steps): precomputed
    latent shards vs the same raw shards encoded online by 1 Ray actor.
 
+C. (``--only-forward``, or before A) ``encode_dataset`` against the bare forward passes of its
+   own encoders at the same batch: the forward-only rate (images already decoded to a tensor in
+   memory, captions already tokenised; VAE encode to the posterior mean/std + text encoder
+   forward, no I/O) and ``encode_dataset``'s rate on the same images read from the raw shards,
+   model loading timed apart; the two are run in alternation, ``--rounds`` times each, in one
+   process (a shared machine's load then weighs on both alike); medians and their ratio, and the
+   median of each round's ratio (on a loaded machine, many short rounds give the steadier figure).
+
 Prints figures; asserts nothing about time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -33,7 +43,7 @@ from PIL import Image
 
 from latentforge.config import from_dict
 from latentforge.data import schema
-from latentforge.data.encode import EncodeConfig, encode_dataset
+from latentforge.data.encode import EncodeConfig, Encoders, decode_batch, encode_dataset
 from latentforge.demo import builtin_text_encoder
 from latentforge.distributed.ray_data import OnlineSource, encode_on_ray
 from latentforge.distributed.ray_launch import RayConfig
@@ -69,8 +79,13 @@ def main() -> None:
     ap.add_argument("--actors", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=20, help="training steps per variant (part B)")
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--encode-batch", type=int, default=64, help="images per encoder call (part C)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of part C")
+    ap.add_argument("--only-forward", action="store_true", help="only part C")
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(os.cpu_count() or 1)
+    print(f"torch threads {torch.get_num_threads()}")
     recipe = load_recipe("tiny-cpu")
     tmp = Path(tempfile.mkdtemp(prefix="lf-bench-enc-", dir="/tmp"))
     try:
@@ -80,6 +95,9 @@ def main() -> None:
         cfg = EncodeConfig(vae=str(vae_dir), text_encoder=builtin_text_encoder(), max_length=24, batch_size=64,
                            device="cpu")
         print(f"cores {os.cpu_count()}, {args.num} images at 32 px, VAE 16/32 ch, MiniLM-L6 text, batch 64")
+        part_c(raw, tmp, dataclasses.replace(cfg, batch_size=args.encode_batch), args.num, args.rounds)
+        if args.only_forward:
+            return
 
         t = time.perf_counter()
         encode_dataset(str(raw), str(tmp / "local"), cfg, progress=False)
@@ -119,6 +137,55 @@ def main() -> None:
         ray.shutdown()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def part_c(raw: Path, tmp: Path, cfg: EncodeConfig, num: int, rounds: int) -> None:
+    """encode_dataset against the forward passes of its own encoders, alternated (module docstring)."""
+    from latentforge.models.text import uses_attention_mask
+
+    t = time.perf_counter()
+    enc = Encoders(cfg, "cpu")
+    print(f"C. model loading (VAE + text encoder + tokenizer): {time.perf_counter() - t:.2f} s")
+    index = schema.read_index(str(raw))
+    pixels, captions = [], []
+    for shard in index.shards:
+        table = schema.read_shard(str(raw / shard.name), columns=["key", "image", "caption"])
+        good, px, _ = decode_batch(table.column("key").to_pylist(), table.column("image").to_pylist(), 32, "")
+        pixels.append(px)
+        captions += table.column("caption").to_pylist()
+    pixels = torch.from_numpy(np.concatenate(pixels))
+    tokens = enc.tokenizer(captions, padding="max_length", truncation=True, max_length=enc.max_length,
+                           return_tensors="pt")
+    mask = tokens["attention_mask"] if uses_attention_mask(enc.text) else None
+    b = cfg.batch_size
+
+    @torch.inference_mode()
+    def forward_only() -> float:
+        t0 = time.perf_counter()
+        for s in range(0, num, b):
+            dist = enc.vae.encode(pixels[s:s + b]).latent_dist
+            dist.mean, dist.std  # the two tensors the encode stores
+            enc.text(input_ids=tokens["input_ids"][s:s + b],
+                     attention_mask=None if mask is None else mask[s:s + b]).last_hidden_state
+        return num / (time.perf_counter() - t0)
+
+    def end_to_end(r: int) -> float:
+        t0 = time.perf_counter()
+        encode_dataset(str(raw), str(tmp / f"c-{r}"), cfg, progress=False, encoders=enc)
+        took = time.perf_counter() - t0
+        shutil.rmtree(tmp / f"c-{r}")
+        return num / took
+
+    forward_only()  # warm-up (first-call allocations)
+    fwd, e2e = [], []
+    for r in range(rounds):
+        fwd.append(forward_only())
+        e2e.append(end_to_end(r))
+        print(f"   round {r}: forward-only {fwd[-1]:7.1f} img/s, encode_dataset {e2e[-1]:7.1f} img/s")
+    f, e = statistics.median(fwd), statistics.median(e2e)
+    ratio = statistics.median(x / y for x, y in zip(e2e, fwd))  # each round's pair ran back to back
+    print(f"C. {num} images, batch {b}: forward-only {f:.1f} img/s, encode_dataset {e:.1f} img/s "
+          f"(models loaded), ratio of the medians {e / f:.2f}, median of the rounds' ratios {ratio:.2f}")
 
 
 def _train_dict(recipe) -> dict:

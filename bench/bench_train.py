@@ -11,7 +11,14 @@ B. The demo's model and data trained our way (precomputed latents and text embed
    decode the images, run the VAE encoder and the text encoder on every step, and a Python loop
    over parameters for the EMA. Same U-Net, batch and data, measured in the same run.
 
+C. The step overhead (``--overhead``): the trainer's whole step (a real ``train()`` run: loader,
+   noise draw, U-Net forward/backward, gradient clipping, AdamW, EMA, logging, checkpoint check,
+   stop-flag agreement), timed between its log lines, against the U-Net forward + backward +
+   optimizer step alone (the same model, optimizer and batch on tensors already in memory).
+   The two are run in alternation, ``--rounds`` times, in one process; medians.
+
 Prints figures; asserts nothing about time. Steps are timed one by one; medians are reported.
+Run with OMP_NUM_THREADS=1 on a shared machine.
 """
 
 from __future__ import annotations
@@ -160,15 +167,77 @@ def part_b(args, tmp: Path) -> None:
     print(f"   ratio ours/theirs: {o / t:.2f}x")
 
 
+def part_c(args, tmp: Path) -> None:
+    import json
+
+    from latentforge.config import from_dict, to_dict
+    from latentforge.train.optim import build_optimizer
+    from latentforge.train.run import RunConfig, train
+
+    batch, latent, text = 32, (4, 16, 16), (77, 384)
+    ucfg = UNetConfig(preset="tiny", in_channels=latent[0], out_channels=latent[0], sample_size=latent[1],
+                      cross_attention_dim=text[1])
+    log_every, steps = 10, args.overhead_steps
+    data = tmp / "lat-overhead"
+    write_latent_dataset(data, batch * steps, latent, text)
+    tcfg = TrainConfig(unet=ucfg, micro_batch_size=batch, ema=EMAConfig(decay=0.999), log_every=log_every,
+                       phases=[PhaseConfig(steps=steps, datasets=[StreamConfig(path=str(data))])], loggers=[])
+    params = sum(p.numel() for p in build_unet(ucfg).parameters())
+
+    def trainer_ms(r: int) -> list[float]:
+        cfg = from_dict(RunConfig, {"train": to_dict(tcfg), "data": {"num_workers": 0, "cache_dir": str(tmp / "c")}})
+        cfg.train.sampling.prompts, cfg.train.eval.every_steps = [], 0
+        run = tmp / f"run-overhead-{r}"
+        train(cfg, run, progress=False)
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [1e3 * batch / x["img_per_s"] for x in lines[1:]]  # each over log_every steps; the first warms up
+
+    def bare_ms() -> list[float]:
+        torch.manual_seed(0)
+        model = build_unet(ucfg).train()
+        opt = build_optimizer(model.parameters(), tcfg.optim, "cpu")
+        x = torch.randn(batch, *latent)
+        hidden = torch.randn(batch, *text)
+        t = torch.randint(0, 1000, (batch,))
+        out = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            loss = torch.nn.functional.mse_loss(model(x, t, encoder_hidden_states=hidden).sample, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(1e3 * (time.perf_counter() - t0))
+        return out[log_every:]
+
+    print(f"\nC. step overhead: tiny U-Net ({params:,} params), latents {'x'.join(map(str, latent))}, text "
+          f"{text[0]}x{text[1]}, batch {batch}, fp32, {torch.get_num_threads()} thread(s); the trainer timed over "
+          f"windows of {log_every} steps (its log lines), the bare step one by one")
+    whole, bare = [], []
+    for r in range(args.rounds):
+        whole += trainer_ms(r)
+        bare += bare_ms()
+        w, b = statistics.median(whole), statistics.median(bare)
+        print(f"   after round {r}: trainer step {w:.1f} ms, bare U-Net fwd+bwd+AdamW {b:.1f} ms")
+    w, b = statistics.median(whole), statistics.median(bare)
+    print(f"C. trainer's whole step {w:.1f} ms, U-Net forward+backward+optimizer alone {b:.1f} ms: "
+          f"overhead {w - b:.1f} ms = {(w - b) / w:.1%} of the step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--skip-baseline", action="store_true", help="only part A")
     ap.add_argument("--only-baseline", action="store_true", help="only part B")
+    ap.add_argument("--overhead", action="store_true", help="only part C, the step overhead")
+    ap.add_argument("--overhead-steps", type=int, default=60, help="steps per run of part C")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of part C")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.overhead:
+            part_c(args, Path(tmp))
+            return
         if not args.only_baseline:
             part_a(args, Path(tmp))
         if not args.skip_baseline:

@@ -317,13 +317,71 @@ def test_encode_reads_raw_shards_from_s3(assets, bert_out, moto_endpoint, monkey
 def test_values_that_overflow_float16_are_rejected(assets, tmp_path, monkeypatch):
     from latentforge.data import encode as encode_module
 
-    def overflowing(model, tok, captions, max_length):  # what a float16 overflow of a large encoder looks like
-        out = encode_text(model, tok, captions, max_length)
-        scale = torch.tensor([1e6 if "circle" in c else 1.0 for c in captions])[:, None, None]
+    circle = AutoTokenizer.from_pretrained(assets["bert"]).convert_tokens_to_ids("circle")  # word-level vocabulary
+    encode_tokens = encode_module.encode_tokens
+
+    def overflowing(model, tokens):  # what a float16 overflow of a large encoder looks like
+        out = encode_tokens(model, tokens)
+        scale = torch.where((tokens["input_ids"] == circle).any(dim=1), 1e6, 1.0)[:, None, None]
         return {**out, "text_hidden": out["text_hidden"] * scale}
 
-    monkeypatch.setattr(encode_module, "encode_text", overflowing)
+    monkeypatch.setattr(encode_module, "encode_tokens", overflowing)
     num_circles = sum("circle" in r["caption"] for r in _raw_samples(assets["raw"]))
     assert 0 < num_circles < 40
     summary = encode_dataset(str(assets["raw"]), str(tmp_path / "out"), _cfg(assets), progress=False)
     assert summary == {"seen": 40, "written": 40 - num_circles, "rejected": {"non_finite": num_circles}}
+
+
+def test_reader_thread_keeps_order_and_counts_rejects(assets, tmp_path):
+    """Batches of 2, decoded and tokenised ahead in the reader thread, damaged images at the edges of
+    batches and shards and whole damaged batches (6-7, and 29 alone at the end of the second shard):
+    every kept row carries its own image's latents and its own caption's text."""
+    bad = (0, 6, 7, 8, 12, 29)
+    raw = make_raw_dataset(tmp_path / "raw", n=30, resolution=RES, num_shards=2, bad_images=bad)
+    out = tmp_path / "out"
+    summary = encode_dataset(str(raw), str(out), _cfg(assets, batch_size=2), progress=False)
+    assert summary == {"seen": 30, "written": 24, "rejected": {"undecodable_image": 6}}
+    rejected = [json.loads(line)["key"] for line in (out / REJECTED).read_text().splitlines()]
+    assert rejected == [f"test/{i:06d}" for i in bad]
+    rows, samples = _rows(out), [s for i, s in enumerate(_raw_samples(raw)) if i not in bad]
+    assert [r["key"] for r in rows] == [s["key"] for s in samples]
+    vae = AutoencoderKL.from_pretrained(assets["vae"], use_safetensors=True, low_cpu_mem_usage=False)
+    with torch.no_grad():
+        direct = vae.encode(torch.cat([_pixels(s["image"]) for s in samples])).latent_dist.mean
+    np.testing.assert_allclose(np.stack([r["latent_mean"] for r in rows]).astype(np.float32), direct.numpy(),
+                               rtol=1e-3, atol=1e-3)
+    text, _ = _direct_text(assets["bert"], [s["caption"] for s in samples])
+    np.testing.assert_allclose(np.stack([r["text_hidden"] for r in rows]).astype(np.float32),
+                               text.last_hidden_state.numpy(), rtol=2e-3, atol=2e-3)
+
+
+def test_ahead_yields_in_order_within_its_depth_and_raises_in_place():
+    from concurrent.futures import Future
+
+    from latentforge.data.encode import _ahead
+
+    class Recorder:  # a pool that runs each call at once and records when it was asked for
+        submitted: list[int] = []
+
+        def submit(self, fn, item):
+            self.submitted.append(item)
+            f = Future()
+            try:
+                f.set_result(fn(item))
+            except Exception as e:
+                f.set_exception(e)
+            return f
+
+    def work(i):
+        if i == 4:
+            raise ValueError("item 4")
+        return i * 10
+
+    pool = Recorder()
+    it = _ahead(pool, work, range(6), depth=2)
+    assert pool.submitted == []  # nothing before the first request
+    assert next(it) == 0 and pool.submitted == [0, 1, 2]  # two ahead of the consumer, never more
+    assert next(it) == 10 and pool.submitted == [0, 1, 2, 3]
+    assert [next(it), next(it)] == [20, 30]
+    with pytest.raises(ValueError, match="item 4"):  # where item 4 is due, not earlier
+        next(it)

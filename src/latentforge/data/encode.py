@@ -34,10 +34,12 @@ import collections
 import dataclasses
 import hashlib
 import io
+import itertools
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -63,11 +65,12 @@ from latentforge.errors import ConfigError, Problems, UserError
 from latentforge.interrupt import InterruptConfig, StopOnSignal
 from latentforge.models.autoencoder import first_line, load_vae, vae_fingerprint, vae_meta
 from latentforge.models.text import (
-    encode_text,
+    encode_tokens,
     load_text_encoder,
     resolve_max_length,
     text_encoder_fingerprint,
     text_encoder_meta,
+    tokenize,
 )
 
 __all__ = [
@@ -268,7 +271,15 @@ class Encoders:
                           "dtype": text_dtype}
 
     def text_arrays(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
-        out = encode_text(self.text, self.tokenizer, captions, self.max_length)
+        return self.token_arrays(self.tokenize(captions))
+
+    def tokenize(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The tokens of ``captions`` for :meth:`token_arrays`. A fast tokenizer must not be called
+        from two threads at once: while an encode runs, only its reader thread calls this."""
+        return tokenize(self.tokenizer, captions, self.max_length)
+
+    def token_arrays(self, tokens: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        out = encode_tokens(self.text, tokens)
         return {k: v.cpu().numpy() if k == "text_mask" else _to_storage(v, self.storage) for k, v in out.items()}
 
     @torch.inference_mode()
@@ -320,11 +331,37 @@ def shard_record(out: Path, name: str, seen: int, info: ShardInfo, rejected: lis
     return done
 
 
+@dataclass
+class _Prepared:
+    """One batch of a raw shard made ready for the encoders (by :func:`_prepare`, in the
+    encode's reader thread): the good images' pixels and caption tokens, and the rejected ones."""
+
+    batch: dict[str, list[Any]]  # the raw columns of the batch
+    good: list[int]  # indices into the batch of the decodable images
+    pixels: np.ndarray | None
+    tokens: dict[str, torch.Tensor] | None
+    rejected: list[dict[str, str]]
+
+
+def _prepare(enc: Encoders, batch: dict[str, list[Any]], size: tuple[int, int], shard: str) -> _Prepared:
+    good, pixels, rejected = decode_batch(batch["key"], batch["image"], size, shard)
+    tokens = enc.tokenize([batch["caption"][i] for i in good]) if good else None
+    return _Prepared(batch, good, pixels, tokens, rejected)
+
+
+# Batches decoded and tokenised ahead of the encoders' forward pass (in one reader thread, which
+# Pillow, numpy and the tokenizer let run beside the forward pass): 2 keep the forward pass fed
+# while holding at most 2 batches of pixels more in memory.
+PREFETCH_BATCHES = 2
+
+
 def _encode_shard(raw_uri: str, out: Path, name: str, enc: Encoders, columns: dict[str, str],
                   size: tuple[int, int], batch_size: int, bar: tqdm, bucket: bool,
-                  stop: StopOnSignal | None = None) -> dict:
+                  stop: StopOnSignal | None = None, reader: ThreadPoolExecutor | None = None) -> dict:
     """Encode one raw shard into ``out/name`` and write its completion record; ``bucket``: keep
-    only the rows of the (width, height) ``size`` (the others belong to other buckets)."""
+    only the rows of the (width, height) ``size`` (the others belong to other buckets);
+    ``reader``: a one-thread pool that decodes and tokenises the next batches during the forward
+    pass of this one (None: in this thread, in turn)."""
     table = read_shard(raw_uri, columns=list(RAW_NEEDED))
     raw = {c: table.column(c).to_pylist() for c in RAW_NEEDED}
     if bucket:
@@ -332,21 +369,38 @@ def _encode_shard(raw_uri: str, out: Path, name: str, enc: Encoders, columns: di
         bar.update(len(raw["key"]) - len(mine))
         raw = {c: [v[i] for i in mine] for c, v in raw.items()}
     n = len(raw["key"])
+    batches = ({c: v[start:start + batch_size] for c, v in raw.items()} for start in range(0, n, batch_size))
+    if reader is None:
+        prepared: Iterator[_Prepared] = (_prepare(enc, b, size, name) for b in batches)
+    else:
+        prepared = _ahead(reader, lambda b: _prepare(enc, b, size, name), batches, PREFETCH_BATCHES)
     rows: list[dict[str, Any]] = []
     rejected: list[dict[str, str]] = []
-    for start in range(0, n, batch_size):
+    for p in prepared:
         if stop is not None and stop.requested:
             raise _Stopped()
-        batch = {c: v[start:start + batch_size] for c, v in raw.items()}
-        good, pixels, bad = decode_batch(batch["key"], batch["image"], size, name)
-        rejected += bad
-        if good:
-            arrays = {**enc.latent_arrays(pixels), **enc.text_arrays([batch["caption"][i] for i in good])}
-            ok, bad = build_rows(batch, good, arrays, name, enc.storage)
+        rejected += p.rejected
+        if p.good:
+            arrays = {**enc.latent_arrays(p.pixels), **enc.token_arrays(p.tokens)}
+            ok, bad = build_rows(p.batch, p.good, arrays, name, enc.storage)
             rows += ok
             rejected += bad
-        bar.update(len(batch["key"]))
+        bar.update(len(p.batch["key"]))
     return shard_record(out, name, n, write_shard(out / name, rows, columns), rejected)
+
+
+def _ahead(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], items: Iterable[Any], depth: int) -> Iterator[Any]:
+    """``fn(item)`` of each item in order, computed in ``pool`` up to ``depth`` items ahead of
+    the consumer. A consumer that stops early leaves at most ``depth`` calls to finish."""
+    pending: collections.deque[Future] = collections.deque()
+    items = iter(items)
+    for item in itertools.islice(items, depth):
+        pending.append(pool.submit(fn, item))
+    while pending:
+        result = pending.popleft().result()  # re-raises an exception of fn here, in order
+        for item in itertools.islice(items, 1):
+            pending.append(pool.submit(fn, item))
+        yield result
 
 
 @dataclass
@@ -440,39 +494,43 @@ def _run_job(job: EncodeJob, progress: bool, stop: StopOnSignal | None = None) -
     """Encode the shards of ``job`` not finished by an earlier run, in this process."""
     records = []
     desc = f"encode {job.size[0]}x{job.size[1]}" if job.bucket else "encode"
-    with tqdm(total=job.raw.num_samples, unit="img", desc=desc, disable=not progress) as bar:
+    with (tqdm(total=job.raw.num_samples, unit="img", desc=desc, disable=not progress) as bar,
+          ThreadPoolExecutor(1, thread_name_prefix="encode-reader") as reader):
         for shard in job.raw.shards:
             done = job.finished(shard.name)
             if done is None:
                 done = _encode_shard(storage.join(job.raw_dir, shard.name), job.out, shard.name, job.enc,
-                                     job.columns, job.size, job.cfg.batch_size, bar, job.bucket, stop)
+                                     job.columns, job.size, job.cfg.batch_size, bar, job.bucket, stop, reader)
             else:
                 bar.update(done["seen"])
             records.append(done)
     return finish_encode(job, records)
 
 
-def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool = True) -> dict:
+def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool = True,
+                   encoders: Encoders | None = None) -> dict:
     """Encode the raw dataset at ``raw_dir`` (local or s3://) into latent shards in ``out_dir``
     (one latent dataset per bucket for a bucketed raw dataset, see the module docstring).
 
     Returns the summary ``{"seen", "written", "rejected": {reason: count}}`` (also written to
     ``out_dir/summary.json``); shards finished by an earlier run with the same inputs are kept.
     Stopped by a signal (see the module docstring) it returns ``{"interrupted": signal name}``.
+    ``encoders``: already loaded from ``cfg`` (by default they are loaded here).
     """
     with StopOnSignal(cfg.interrupt, what="encode") as stop:
         try:
-            return _encode_dataset(raw_dir, out_dir, cfg, progress, stop)
+            return _encode_dataset(raw_dir, out_dir, cfg, progress, stop, encoders)
         except _Stopped:
             return {"interrupted": stop.signal_name}
 
 
-def _encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool, stop: StopOnSignal) -> dict:
+def _encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool, stop: StopOnSignal,
+                    enc: Encoders | None) -> dict:
     cfg.validate()
     cfg.require_models()
     raw = read_index(raw_dir)
     resolution = _check_raw(raw_dir, raw)
-    enc = Encoders(cfg, _resolve_device(cfg.device))
+    enc = enc or Encoders(cfg, _resolve_device(cfg.device))
     if raw.meta.get("crop") != "buckets":
         return _run_job(_claim(raw_dir, raw, resolution, out_dir, cfg, enc, None), progress, stop)
     factor = enc.vae_info["downsample_factor"]

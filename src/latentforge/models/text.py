@@ -36,6 +36,8 @@ __all__ = [
     "load_text_encoder",
     "resolve_max_length",
     "encode_text",
+    "encode_tokens",
+    "tokenize",
     "text_encoder_meta",
     "text_encoder_fingerprint",
     "uses_attention_mask",
@@ -138,14 +140,30 @@ def uses_attention_mask(model: PreTrainedModel) -> bool:
     return bool(getattr(model.config, "use_attention_mask", True))
 
 
-@torch.inference_mode()
-def _run(model: PreTrainedModel, tokenizer: Any, captions: Sequence[str],
-         max_length: int) -> tuple[Any, torch.Tensor]:
+def tokenize(tokenizer: Any, captions: Sequence[str], max_length: int) -> dict[str, torch.Tensor]:
+    """The tokens :func:`encode_tokens` takes: ``input_ids`` and ``attention_mask`` (B, max_length),
+    padded/truncated to ``max_length`` (the tokenising half of :func:`encode_text`, which the encode
+    step runs ahead of the forward pass, in another thread)."""
     tokens = tokenizer(list(captions), padding="max_length", truncation=True, max_length=max_length,
                        return_tensors="pt")
+    return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
+
+
+@torch.inference_mode()
+def _run(model: PreTrainedModel, tokens: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
     mask = tokens["attention_mask"].to(model.device)
     attention_mask = mask if uses_attention_mask(model) else None
     return model(input_ids=tokens["input_ids"].to(model.device), attention_mask=attention_mask), mask
+
+
+def encode_tokens(model: PreTrainedModel, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`encode_text` of captions already tokenised by :func:`tokenize`."""
+    outputs, mask = _run(model, tokens)
+    result = {"text_hidden": outputs.last_hidden_state, "text_mask": mask.to(torch.uint8)}
+    _, pooled = _pooled(outputs)
+    if pooled is not None:
+        result["text_pooled"] = pooled
+    return result
 
 
 def encode_text(model: PreTrainedModel, tokenizer: Any, captions: Sequence[str],
@@ -158,17 +176,12 @@ def encode_text(model: PreTrainedModel, tokenizer: Any, captions: Sequence[str],
     embedding, only when the encoder has one (CLIP ``text_embeds``/``pooler_output``, BERT
     ``pooler_output``; T5 has none).
     """
-    outputs, mask = _run(model, tokenizer, captions, max_length)
-    result = {"text_hidden": outputs.last_hidden_state, "text_mask": mask.to(torch.uint8)}
-    _, pooled = _pooled(outputs)
-    if pooled is not None:
-        result["text_pooled"] = pooled
-    return result
+    return encode_tokens(model, tokenize(tokenizer, captions, max_length))
 
 
 def text_encoder_meta(model: PreTrainedModel, tokenizer: Any, max_length: int) -> dict[str, Any]:
     """What a latent dataset records about its text encoder (one forward pass on "")."""
-    outputs, _ = _run(model, tokenizer, [""], max_length)
+    outputs, _ = _run(model, tokenize(tokenizer, [""], max_length))
     pooled_name, _ = _pooled(outputs)
     return {
         "class": type(model).__name__,
