@@ -385,3 +385,16 @@ def test_ahead_yields_in_order_within_its_depth_and_raises_in_place():
     assert [next(it), next(it)] == [20, 30]
     with pytest.raises(ValueError, match="item 4"):  # where item 4 is due, not earlier
         next(it)
+
+
+def test_a_rejection_message_is_the_same_in_every_run():
+    """Pillow names an unreadable in-memory file by its address ("<_io.BytesIO object at 0x...>"),
+    which differs between runs; the ledger must not, so that two runs write the same rejected.jsonl."""
+    from latentforge.data.encode import RejectedImage, decode_image
+
+    messages = set()
+    for _ in range(2):
+        with pytest.raises(RejectedImage, match="cannot identify image file") as e:
+            decode_image(b"this is not an image", RES)
+        messages.add(str(e.value))
+    assert len(messages) == 1 and " at 0x" not in messages.pop()

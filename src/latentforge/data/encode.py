@@ -50,6 +50,7 @@ from tqdm import tqdm
 
 from latentforge import storage
 from latentforge.config import save_config
+from latentforge.data.imageproc import stable_detail
 from latentforge.data.schema import (
     EMPTY_PROMPT,
     INDEX,
@@ -155,7 +156,7 @@ class RejectedImage(Exception):
     """An image that cannot be encoded; ``reason`` is a short stable name counted in summary.json."""
 
     def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
+        super().__init__(stable_detail(detail))
         self.reason = reason
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,8 +37,20 @@ REASONS = (
 )
 
 
+# Pillow names the file object it could not read by its memory address ("<_io.BytesIO object at
+# 0x7f...>"), which differs between runs: the ledger keeps the message without it, so that two runs
+# over the same data write the same rejected.jsonl.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def stable_detail(text: str) -> str:
+    """A rejection's message without the memory addresses that make it differ between runs."""
+    return _ADDRESS.sub("", text)
+
+
 class Reject(Exception):
     def __init__(self, reason: str, detail: str = ""):
+        detail = stable_detail(detail)
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
