@@ -26,7 +26,7 @@ from latentforge.distributed.ray_launch import RayConfig
 from latentforge.errors import ConfigError, Problem
 from latentforge.models.dit import DiTConfig
 from latentforge.models.unet import UNetConfig
-from latentforge.plan.memory import MemoryConfig
+from latentforge.train.memory import MemoryConfig
 from latentforge.recipe import Recipe, load_recipe, resolve_recipe_path
 
 SRC = Path(latentforge.__file__).resolve().parent

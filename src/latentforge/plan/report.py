@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from latentforge.errors import UserError
 from latentforge.plan import cost
-from latentforge.plan.memory import train_memory_setup
+from latentforge.train.memory import train_memory_setup
 
 if TYPE_CHECKING:
     from latentforge.recipe import Recipe
@@ -73,7 +73,8 @@ def memory_report(recipe: "Recipe", cfg: cost.PlanConfig, *, resolution: int | N
     """The memory breakdown of ``recipe``'s U-Net at ``resolution`` (default: its last phase's) for
     the set-up ``setup`` (MemoryConfig fields; None = the recipe's, see :func:`recipe_memory_setup`),
     and whether it fits ``gpu_memory`` GB (default: the memory of ``cfg.gpu``)."""
-    from latentforge.plan.memory import MemoryConfig, estimate_memory, format_memory
+    from latentforge.plan.memory import format_memory
+    from latentforge.train.memory import MemoryConfig, estimate_memory
     from latentforge.plan.shapes import phase_shapes, unet_for, vae_factor
 
     shapes = phase_shapes(recipe)[-1]

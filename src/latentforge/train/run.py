@@ -32,6 +32,7 @@ from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import parallelize, resolve_strategy
 from latentforge.train import finetune
 from latentforge.train.masking import check_kept_tokens
+from latentforge.train.memory import resolve_auto_micro_batch
 from latentforge.train.trainer import Trainer, TrainConfig, phase_batches
 
 log = logging.getLogger(__name__)
@@ -179,8 +180,6 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
         tcfg = resolve_model_config(tcfg, meta, source)
     device = pick_device(tcfg.device)
     if tcfg.micro_batch_size == "auto":
-        from latentforge.plan.memory import resolve_auto_micro_batch
-
         tcfg = resolve_auto_micro_batch(tcfg, [_phase_latent_shape(p, source) for p in tcfg.phases], device,
                                         world.world_size, unet=base.unet_config if base else None)
     phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
