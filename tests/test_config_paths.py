@@ -22,7 +22,7 @@ import yaml
 import latentforge
 from latentforge.cli import main
 from latentforge.config import apply_overrides, from_dict, load_yaml, to_dict
-from latentforge.distributed.ray_launch import RayConfig
+from latentforge.distributed.ray_cluster import RayConfig
 from latentforge.errors import ConfigError, Problem
 from latentforge.models.dit import DiTConfig
 from latentforge.models.unet import UNetConfig

@@ -157,7 +157,7 @@ def _report_train(summary: dict, run_dir: str, where: str = "") -> int:
 
 
 def _ray_config(ns):
-    from latentforge.distributed.ray_launch import RayConfig
+    from latentforge.distributed.ray_cluster import RayConfig
 
     given = {k: getattr(ns, k) for k in ("address", "num_workers", "gpus_per_worker", "cpus_per_worker",
                                          "max_failures", "storage") if getattr(ns, k, None) is not None}
@@ -166,7 +166,8 @@ def _ray_config(ns):
 
 def _train_on_ray(ns, recipe):
     """``train --ray`` (Ray Train workers) and/or ``--online-encode`` (Ray encoder actors)."""
-    from latentforge.distributed.ray_launch import ray_session, train_on_ray
+    from latentforge.distributed.ray_cluster import ray_session
+    from latentforge.distributed.ray_launch import train_on_ray
     from latentforge.train.run import RunConfig, train
 
     cfg = RunConfig(train=recipe.train, data=recipe.loader, eval=recipe.eval)
