@@ -248,6 +248,7 @@ CASES = [
     c("plan.num_images", "-1", "must be >= 0"),
     c("plan.encode_img_per_s_per_gpu", "0", "must be > 0"),
     c("plan.precision", "fp8", "one of bf16, fp16, tf32, fp32"),
+    c("plan.mfu", "1.5", "must be in (0, 1] (or 0 = use img_per_s_per_gpu)"),
 ]
 
 # Configs that no recipe holds: built from command-line flags. Their paths are their own field names.
