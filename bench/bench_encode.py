@@ -46,7 +46,7 @@ from latentforge.data import schema
 from latentforge.data.encode import EncodeConfig, Encoders, decode_batch, encode_dataset
 from latentforge.demo import builtin_text_encoder
 from latentforge.distributed.ray_data import OnlineSource, encode_on_ray
-from latentforge.distributed.ray_launch import RayConfig
+from latentforge.distributed.ray_cluster import RayConfig
 from latentforge.models.autoencoder import build_vae
 from latentforge.recipe import load_recipe
 from latentforge.train.run import RunConfig, train

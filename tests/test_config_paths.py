@@ -22,11 +22,11 @@ import yaml
 import latentforge
 from latentforge.cli import main
 from latentforge.config import apply_overrides, from_dict, load_yaml, to_dict
-from latentforge.distributed.ray_launch import RayConfig
+from latentforge.distributed.ray_cluster import RayConfig
 from latentforge.errors import ConfigError, Problem
 from latentforge.models.dit import DiTConfig
 from latentforge.models.unet import UNetConfig
-from latentforge.plan.memory import MemoryConfig
+from latentforge.train.memory import MemoryConfig
 from latentforge.recipe import Recipe, load_recipe, resolve_recipe_path
 
 SRC = Path(latentforge.__file__).resolve().parent
@@ -250,6 +250,7 @@ CASES = [
     c("plan.num_images", "-1", "must be >= 0"),
     c("plan.encode_img_per_s_per_gpu", "0", "must be > 0"),
     c("plan.precision", "fp8", "one of bf16, fp16, tf32, fp32"),
+    c("plan.mfu", "1.5", "must be in (0, 1] (or 0 = use img_per_s_per_gpu)"),
 ]
 
 # Configs that no recipe holds: built from command-line flags. Their paths are their own field names.

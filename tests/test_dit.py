@@ -357,7 +357,7 @@ def test_plan_bench_and_auto_micro_batch_take_the_transformer(tmp_path):
     """The demo recipe with train.model=dit: FLOPs per image of the planner are the transformer's
     (counted on meta), bench times its real training step, and micro_batch_size auto sizes it."""
     from latentforge.plan.bench import run_bench
-    from latentforge.plan.memory import resolve_auto_micro_batch
+    from latentforge.train.memory import resolve_auto_micro_batch
     from latentforge.plan.shapes import recipe_phases
     from latentforge.recipe import load_recipe
 

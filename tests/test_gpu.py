@@ -155,7 +155,7 @@ def test_bench_times_cuda_and_the_planner_matches_the_measured_peak(tmp_path):
 
 
 def test_memory_planner_budget_is_the_device_memory():
-    from latentforge.plan.memory import device_memory_budget
+    from latentforge.train.memory import device_memory_budget
 
     total, cuda_allowance, how = device_memory_budget(torch.device("cuda", 0))
     _, whole = torch.cuda.mem_get_info(0)

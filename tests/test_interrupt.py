@@ -290,7 +290,8 @@ def test_planned_checkpoint_size_matches_a_real_checkpoint(setup):
     the files of the reference run's last checkpoint (fp32 tiny U-Net, EMA, AdamW): within 10%.
     The rest is a fixed cost per tensor (safetensors headers, AdamW's pickled step counters), the
     RNG states and meta.json: measured 5.4% of this 250k-parameter model, nothing at real sizes."""
-    from latentforge.plan.memory import MemoryConfig, checkpoint_bytes
+    from latentforge.plan.memory import checkpoint_bytes
+    from latentforge.train.memory import MemoryConfig
 
     latest = ckpt.find_latest(setup["straight"])
     c = ckpt.load_checkpoint(latest)

@@ -15,8 +15,8 @@ import latentforge
 from latentforge.cli import main
 from latentforge.errors import ConfigError
 from latentforge.models.unet import UNetConfig, unet_diffusers_config, unet_num_params
-from latentforge.plan.memory import (GIB, MemoryConfig, device_bytes_needed, estimate_memory, largest_micro_batch,
-                                     resolve_auto_micro_batch)
+from latentforge.train.memory import (GIB, MemoryConfig, device_bytes_needed, estimate_memory, largest_micro_batch,
+                                      resolve_auto_micro_batch)
 from latentforge.train.trainer import PhaseConfig, TrainConfig, phase_batches
 from latent_fixtures import latent_data  # noqa: F401  (session fixture)
 
@@ -144,7 +144,7 @@ def test_bench_writes_json_that_plan_reads_and_the_planner_matches_the_measured_
 
 def test_train_with_auto_micro_batch_accumulates_to_the_global_batch(latent_data, tmp_path, monkeypatch, caplog):
     from latentforge.config import from_dict, load_config
-    from latentforge.plan import memory
+    from latentforge.train import memory
     from latentforge.train.run import TRAIN_CONFIG, RunConfig, train
 
     text_len = 8  # latent_fixtures.TEXT_LEN
@@ -157,7 +157,7 @@ def test_train_with_auto_micro_batch_accumulates_to_the_global_batch(latent_data
                   "phases": [{"datasets": [{"path": str(latent_data["latent16"])}], "steps": 2}],
                   "loggers": [], "log_every": 1},
         "data": {"num_workers": 0, "cache_dir": str(latent_data["cache"])}})
-    with caplog.at_level("WARNING", logger="latentforge.plan.memory"):
+    with caplog.at_level("WARNING", logger="latentforge.train.memory"):
         summary = train(cfg, tmp_path / "run", progress=False)
     assert summary["step"] == 2 and "4 per rank x 4 accumulation x 1 ranks = global batch 16" in caplog.text
     saved = load_config(RunConfig, tmp_path / "run" / TRAIN_CONFIG).train

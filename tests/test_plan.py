@@ -11,6 +11,7 @@ import pytest
 import latentforge
 from latentforge.cli import main
 from latentforge.plan.flops import GPU_PEAK_FLOPS
+from latentforge.errors import UserError
 from latentforge.plan.cost import PlanConfig, Phase, parse_pairs, plan_run, scaling_efficiency
 from latentforge.plan.shapes import recipe_phases
 from latentforge.recipe import load_recipe
@@ -78,6 +79,8 @@ def test_plan_cli_prints_the_table_and_writes_the_chart(tmp_path, capsys):
     (["--img-per-sec-per-gpu", "256:fast"], "KEY:VALUE"),
     (["--img-per-sec-per-gpu", "256:90"], "no throughput is given for it"),
     (["--throughput", "missing.json"], "no such file"),
+    (["--mfu", "1.5"], "mfu: must be in (0, 1]"),
+    (["--mfu", "0.4", "--img-per-sec-per-gpu", "256:90,512:30"], "give one of"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -99,3 +102,31 @@ def test_train_with_the_sd2_recipe_fails_on_the_missing_dataset(tmp_path, capsys
     assert main(["train", str(tmp_path / "run"), "--recipe", "sd2-base"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "data/latents-256" in err[0] and "not a latentforge dataset" in err[0]
+
+
+def test_an_assumed_mfu_gives_each_phase_its_own_throughput():
+    """Two phases at one resolution (a patch-masked one and its unmasked finish): with an MFU the
+    throughput follows each phase's FLOPs, which one img/s per resolution cannot."""
+    masked, unmasked = Phase("masked", 256, 7_200_000, 3.0e11), Phase("finish", 256, 3_600_000, 9.0e11)
+    cfg = PlanConfig(gpu="h100-sxm", mfu=0.4)
+    plan = plan_run([masked, unmasked], cfg, 8)
+    per_gpu = [0.4 * 989e12 / 3.0e11, 0.4 * 989e12 / 9.0e11]  # the H100 SXM's dense bf16 data-sheet peak
+    assert [r["img_per_s_per_gpu"] for r in plan["phases"]] == pytest.approx(per_gpu)
+    assert [r["mfu"] for r in plan["phases"]] == pytest.approx([0.4, 0.4])
+    assert plan["train"]["gpu_hours"] == pytest.approx(7_200_000 / 3600 / per_gpu[0] + 3_600_000 / 3600 / per_gpu[1])
+    with pytest.raises(UserError, match="FLOPs per image"):
+        plan_run([Phase("unknown", 256, 100)], cfg, 8)
+
+
+@pytest.mark.slow  # ~26 s: the FLOPs of the 0.6B transformer counted on the meta device for four phases
+def test_plan_cli_prices_the_masked_transformer_recipe_from_an_mfu(tmp_path, capsys):
+    assert main(["plan", "--recipe", "microdit-xl", "--gpu", "h100-sxm", "--gpus", "8", "--mfu", "0.4",
+                 "--chart", "", "--quiet", "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "assumed MFU of 40% of the h100-sxm bf16 peak" in out
+    data = json.loads((tmp_path / "plan.json").read_text())
+    flops = {p["name"]: p["flops_per_image"] for p in data["phases"]}
+    rows = {r["phase"]: r for r in data["plans"][0]["phases"]}
+    assert flops["256px-masked"] < 0.5 * flops["256px-unmasked"]  # 75% of the patches dropped after the mixer
+    for name, r in rows.items():
+        assert r["img_per_s_per_gpu"] == pytest.approx(0.4 * 989e12 / flops[name]) and r["mfu"] == pytest.approx(0.4)

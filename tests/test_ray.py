@@ -26,7 +26,8 @@ import yaml
 from latentforge import checkpoint as ckpt
 from latentforge.cli import main as cli_main
 from latentforge.config import apply_overrides, from_dict, to_dict
-from latentforge.distributed.ray_launch import FAIL_ENV, RayConfig, local_temp_dir, resources_per_worker, train_on_ray
+from latentforge.distributed.ray_cluster import RayConfig, local_temp_dir
+from latentforge.distributed.ray_launch import FAIL_ENV, resources_per_worker, train_on_ray
 from latentforge.data.encode import CONFIG_FILE, EMPTY_PROMPT, REJECTED, EncodeConfig, encode_dataset
 from latentforge.data.loader import LoaderConfig, StreamConfig, build_loader
 from latentforge.data.schema import INDEX, decode_value, read_index, read_shard

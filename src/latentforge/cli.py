@@ -157,7 +157,7 @@ def _report_train(summary: dict, run_dir: str, where: str = "") -> int:
 
 
 def _ray_config(ns):
-    from latentforge.distributed.ray_launch import RayConfig
+    from latentforge.distributed.ray_cluster import RayConfig
 
     given = {k: getattr(ns, k) for k in ("address", "num_workers", "gpus_per_worker", "cpus_per_worker",
                                          "max_failures", "storage") if getattr(ns, k, None) is not None}
@@ -166,7 +166,8 @@ def _ray_config(ns):
 
 def _train_on_ray(ns, recipe):
     """``train --ray`` (Ray Train workers) and/or ``--online-encode`` (Ray encoder actors)."""
-    from latentforge.distributed.ray_launch import ray_session, train_on_ray
+    from latentforge.distributed.ray_cluster import ray_session
+    from latentforge.distributed.ray_launch import train_on_ray
     from latentforge.train.run import RunConfig, train
 
     cfg = RunConfig(train=recipe.train, data=recipe.loader, eval=recipe.eval)
@@ -306,7 +307,7 @@ def cmd_plan(ns, overrides):
 
     recipe = _recipe(ns, overrides, {})
     flags = ("gpu", "gpus", "price", "throughput", "img_per_sec_per_gpu", "scaling_efficiency", "goodput",
-             "num_images", "encode_img_per_sec_per_gpu")
+             "num_images", "encode_img_per_sec_per_gpu", "mfu")
     cfg, source = plan_config(recipe.plan, **{k: getattr(ns, k) for k in flags})
     if ns.memory:
         setup = ("resolution", "micro_batch", "gpu_memory", "precision", "parallel", "world_size",
@@ -475,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--throughput", help="a JSON written by latentforge bench on the target GPU")
     sp.add_argument("--img-per-sec-per-gpu", dest="img_per_sec_per_gpu",
                     help="training img/s per GPU by resolution, e.g. 256:137.5,512:36.3")
+    sp.add_argument("--mfu", type=float,
+                    help="instead of throughputs: an assumed MFU in (0, 1], e.g. 0.4; each phase's img/s per GPU is "
+                         "derived from it and the phase's FLOPs per image (masked phases counted masked)")
     sp.add_argument("--scaling-efficiency", dest="scaling_efficiency",
                     help="one number, or GPUS:EFFICIENCY points interpolated in log2(GPUs), e.g. 8:1.0,128:0.9")
     sp.add_argument("--goodput", type=float, help="fraction of paid time that trains, in (0, 1] (default 1.0)")

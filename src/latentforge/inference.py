@@ -28,6 +28,7 @@ from latentforge.errors import UserError
 from latentforge.models.autoencoder import load_vae
 from latentforge.models.text import encode_text, load_text_encoder
 from latentforge.models.denoiser import denoiser_for, denoiser_of
+from latentforge.train.run_files import load_run_files
 
 
 @dataclass
@@ -48,15 +49,6 @@ class Components:
 
 def run_dir_of(checkpoint_dir: Path) -> Path:
     return Path(checkpoint_dir).resolve().parent.parent
-
-
-def load_run_files(run: Path) -> tuple[Any, dict[str, Any]]:
-    from latentforge.config import load_config
-    from latentforge.train.run import DATA_META, TRAIN_CONFIG, RunConfig
-
-    if not (run / TRAIN_CONFIG).exists() or not (run / DATA_META).exists():
-        raise UserError(f"{run}: not a latentforge training run (no {TRAIN_CONFIG} / {DATA_META})")
-    return load_config(RunConfig, run / TRAIN_CONFIG), json.loads((run / DATA_META).read_text())
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -50,7 +50,7 @@ from latentforge.data.encode import (
 )
 from latentforge.data.loader import LoaderConfig, TrainLoader, build_loader
 from latentforge.data.schema import INDEX, DatasetIndex, ShardWriter, read_index, read_shard, write_shard
-from latentforge.distributed.ray_launch import RayConfig, ray_session
+from latentforge.distributed.ray_cluster import RayConfig, ray_session
 from latentforge.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ _NOT_METRICS = ("guidance_scale", "num_images", "kid_std")
 def run_total_samples(run: Path) -> int:
     """Training images over all phases of the run in ``run`` (its saved config; the world size of
     its newest evaluation, for a global batch given as micro batch x ranks)."""
-    from latentforge.inference import load_run_files
+    from latentforge.train.run_files import load_run_files
     from latentforge.train.trainer import phase_batches, phase_num_steps
 
     cfg, _ = load_run_files(run)

@@ -39,7 +39,8 @@ from pathlib import Path
 from latentforge.diffusion.flow_matching import FLOW_MATCHING
 from latentforge.diffusion.schedule import check_scheduler_objective, make_sampler
 from latentforge.errors import UserError
-from latentforge.inference import load_components, load_run_files, resolve_checkpoint, run_dir_of
+from latentforge.inference import load_components, resolve_checkpoint, run_dir_of
+from latentforge.train.run_files import load_run_files
 from latentforge.models.denoiser import denoiser_for
 
 

@@ -312,6 +312,18 @@ def denoiser_from_config(config: dict[str, Any]) -> Denoiser:
                     f"{', '.join(c.model_class_name for c in BACKBONES.values())})")
 
 
+def as_denoiser(cfg: UNetConfig | DiTConfig | dict | Denoiser) -> Denoiser:
+    """A denoiser from a typed config, a diffusers ``config.json`` dict (its ``_class_name``;
+    a U-Net without one) or a denoiser itself."""
+    if isinstance(cfg, Denoiser):
+        return cfg
+    if isinstance(cfg, UNetConfig):
+        return UNetDenoiser(cfg)
+    if isinstance(cfg, DiTConfig):
+        return DiTDenoiser(cfg)
+    return denoiser_from_config(cfg)
+
+
 def denoiser_of(model: nn.Module) -> Denoiser:
     """The backbone of a built model (the plain one, or a DDP wrapper of it). Any other module is
     taken to be called as a U-Net is (``model(x, t, encoder_hidden_states=...)``), as the trainer

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from latentforge import storage
 from latentforge.errors import UserError
 from latentforge.plan.flops import device_peak_flops, train_flops_per_image
-from latentforge.plan.memory import GIB, MemoryConfig, estimate_memory
+from latentforge.train.memory import GIB, MemoryConfig, estimate_memory
 from latentforge.plan.shapes import phase_shapes, unet_for
 
 
@@ -254,7 +254,7 @@ def run_bench(recipe, steps: int = 10, warmup: int = 2, synthetic: bool | None =
 
 
 def build_model(model_cfg, device: torch.device) -> torch.nn.Module:
-    from latentforge.plan.flops import as_denoiser
+    from latentforge.models.denoiser import as_denoiser
 
     model = as_denoiser(model_cfg).build().to(device)
     model.train()

@@ -60,6 +60,10 @@ class PlanConfig:
     encode_img_per_s_per_gpu: float = field(default=MOSAIC_ENCODE_IMG_PER_S, metadata={
         "help": "encoding throughput per GPU; default 58.0 = MosaicML's 790M images in 3,784 A100-hours"})
     precision: str = field(default="bf16", metadata={"help": "precision of the MFU's peak: bf16, fp16, tf32 or fp32"})
+    mfu: float = field(default=0.0, metadata={
+        "help": "an assumed model FLOPs utilisation in (0, 1]: each phase's img/s per GPU is then mfu x the GPU's "
+                "peak / that phase's FLOPs per image (a patch-masked phase's counted masked), instead of "
+                "img_per_s_per_gpu; 0 = use the measured or published throughputs"})
 
     def validate(self) -> None:
         problems = Problems()
@@ -81,6 +85,8 @@ class PlanConfig:
             problems.add(f"num_images: must be >= 0, got {self.num_images}")
         if not self.encode_img_per_s_per_gpu > 0:
             problems.add(f"encode_img_per_s_per_gpu: must be > 0, got {self.encode_img_per_s_per_gpu}")
+        if not 0 <= self.mfu <= 1:
+            problems.add(f"mfu: must be in (0, 1] (or 0 = use img_per_s_per_gpu), got {self.mfu}")
         if self.precision not in ("bf16", "fp16", "tf32", "fp32"):
             problems.add(f"precision: one of bf16, fp16, tf32, fp32, got {self.precision!r}")
         problems.raise_if_any()
@@ -139,6 +145,16 @@ def throughput_at(table: dict[int, float], resolution: int, phase: str) -> float
     return table[resolution]
 
 
+def phase_throughput(p: Phase, cfg: PlanConfig, table: dict[int, float], peak: float) -> float:
+    """img/s per GPU of phase ``p``: from ``cfg.mfu`` and its FLOPs per image when an MFU is assumed
+    (MFU = img/s x FLOPs per image / peak, solved for img/s), else from the table by resolution."""
+    if not cfg.mfu:
+        return throughput_at(table, p.resolution, p.name)
+    if not p.flops_per_image:
+        raise UserError(f"phase {p.name!r}: an assumed MFU needs its FLOPs per image, which were not counted")
+    return cfg.mfu * peak / p.flops_per_image
+
+
 def plan_run(phases: list[Phase], cfg: PlanConfig, num_gpus: int) -> dict[str, Any]:
     """The cost of ``phases`` (+ the precompute) on ``num_gpus`` GPUs: per-phase rows and totals."""
     cfg.validate()
@@ -147,7 +163,7 @@ def plan_run(phases: list[Phase], cfg: PlanConfig, num_gpus: int) -> dict[str, A
     peak = GPU_PEAK_FLOPS[cfg.gpu].get(cfg.precision) or GPU_PEAK_FLOPS[cfg.gpu]["fp32"]
     rows = []
     for p in phases:
-        per_gpu = throughput_at(throughputs, p.resolution, p.name)
+        per_gpu = phase_throughput(p, cfg, throughputs, peak)
         gpu_hours = p.samples / (3600 * per_gpu * eff * cfg.goodput)
         rows.append({
             "phase": p.name, "resolution": p.resolution, "images": p.samples, "img_per_s_per_gpu": per_gpu,

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from latentforge.models.denoiser import Denoiser, DiTDenoiser, UNetDenoiser, denoiser_from_config
+from latentforge.models.denoiser import Denoiser, as_denoiser
 from latentforge.models.dit import DiTConfig
 from latentforge.models.unet import UNetConfig
 
@@ -31,18 +31,6 @@ GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
     "v100": {"fp16": 125e12, "fp32": 15.7e12},
     "t4": {"fp16": 65e12, "fp32": 8.1e12},
 }
-
-
-def as_denoiser(cfg: UNetConfig | DiTConfig | dict | Denoiser) -> Denoiser:
-    """A denoiser from a typed config, a diffusers ``config.json`` dict (its ``_class_name``;
-    a U-Net without one) or a denoiser itself."""
-    if isinstance(cfg, Denoiser):
-        return cfg
-    if isinstance(cfg, UNetConfig):
-        return UNetDenoiser(cfg)
-    if isinstance(cfg, DiTConfig):
-        return DiTDenoiser(cfg)
-    return denoiser_from_config(cfg)
 
 
 def forward_flops(cfg: UNetConfig | DiTConfig | dict | Denoiser, latent_size: int, text_len: int,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from latentforge.errors import UserError
 from latentforge.plan import cost
-from latentforge.plan.memory import train_memory_setup
+from latentforge.train.memory import train_memory_setup
 
 if TYPE_CHECKING:
     from latentforge.recipe import Recipe
@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 def plan_config(cfg: cost.PlanConfig, *, gpu: str | None = None, gpus: str | None = None,
                 price: float | None = None, throughput: str | None = None, img_per_sec_per_gpu: str | None = None,
                 scaling_efficiency: str | None = None, goodput: float | None = None, num_images: int | None = None,
-                encode_img_per_sec_per_gpu: float | None = None) -> tuple[cost.PlanConfig, str]:
+                encode_img_per_sec_per_gpu: float | None = None,
+                mfu: float | None = None) -> tuple[cost.PlanConfig, str]:
     """``cfg`` with the flags given (None = keep) applied and validated, and where the training
     throughputs came from."""
     changes: dict = {}
@@ -29,8 +30,8 @@ def plan_config(cfg: cost.PlanConfig, *, gpu: str | None = None, gpus: str | Non
             changes["gpus"] = [int(x) for x in gpus.split(",") if x.strip()]
         except ValueError:
             raise UserError(f"--gpus {gpus!r}: expected GPU counts like 8,16,32") from None
-    if throughput and img_per_sec_per_gpu:
-        raise UserError("give one of --throughput and --img-per-sec-per-gpu")
+    if sum(bool(x) for x in (throughput, img_per_sec_per_gpu, mfu)) > 1:
+        raise UserError("give one of --throughput, --img-per-sec-per-gpu and --mfu")
     source = "recipe plan.img_per_s_per_gpu"
     if throughput:
         from latentforge.plan.bench import load_bench_throughput
@@ -41,12 +42,17 @@ def plan_config(cfg: cost.PlanConfig, *, gpu: str | None = None, gpus: str | Non
         source = "--img-per-sec-per-gpu"
     if scaling_efficiency:
         changes["scaling_efficiency"] = cost.parse_pairs(scaling_efficiency, "--scaling-efficiency")
+    if throughput or img_per_sec_per_gpu:
+        changes["mfu"] = 0.0  # a throughput given on the command line wins over a recipe's plan.mfu
     for key, value in (("price_per_gpu_hour", price), ("goodput", goodput), ("num_images", num_images),
-                       ("encode_img_per_s_per_gpu", encode_img_per_sec_per_gpu)):
+                       ("encode_img_per_s_per_gpu", encode_img_per_sec_per_gpu), ("mfu", mfu)):
         if value is not None:
             changes[key] = value
     cfg = replace(cfg, **changes)
     cfg.validate()
+    if cfg.mfu:
+        source = (f"an assumed MFU of {100 * cfg.mfu:g}% of the {cfg.gpu} {cfg.precision} peak and each phase's "
+                  "FLOPs per image")
     return cfg, source
 
 
@@ -54,7 +60,7 @@ def cost_report(recipe: "Recipe", cfg: cost.PlanConfig, source: str, chart: str 
     """The cost table of ``recipe`` for every GPU count of ``cfg``; the chart and JSON if asked."""
     from latentforge.plan.shapes import recipe_phases
 
-    for p in recipe_phases(recipe, with_flops=False):  # a missing throughput fails before the FLOP count
+    for p in recipe_phases(recipe, with_flops=False) if not cfg.mfu else ():  # fails before the FLOP count
         cost.throughput_at({int(k): v for k, v in cfg.img_per_s_per_gpu.items()}, p.resolution, p.name)
     phases = recipe_phases(recipe)
     plans = [cost.plan_run(phases, cfg, n) for n in cfg.gpus]
@@ -73,7 +79,8 @@ def memory_report(recipe: "Recipe", cfg: cost.PlanConfig, *, resolution: int | N
     """The memory breakdown of ``recipe``'s U-Net at ``resolution`` (default: its last phase's) for
     the set-up ``setup`` (MemoryConfig fields; None = the recipe's, see :func:`recipe_memory_setup`),
     and whether it fits ``gpu_memory`` GB (default: the memory of ``cfg.gpu``)."""
-    from latentforge.plan.memory import MemoryConfig, estimate_memory, format_memory
+    from latentforge.plan.memory import format_memory
+    from latentforge.train.memory import MemoryConfig, estimate_memory
     from latentforge.plan.shapes import phase_shapes, unet_for, vae_factor
 
     shapes = phase_shapes(recipe)[-1]

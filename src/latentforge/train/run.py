@@ -24,7 +24,8 @@ from latentforge.data.buckets import bucketed_index, build_bucket_loader, is_buc
 from latentforge.data.loader import LoaderConfig, build_loader
 from latentforge.data.schema import parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
-from latentforge.evaluate.eval import EvalConfig
+from latentforge.evaluate.during_training import training_evaluator
+from latentforge.inference import training_sampler
 from latentforge.interrupt import StopOnSignal
 from latentforge.models.denoiser import denoiser_for, denoiser_from_config, denoiser_of
 from latentforge.models.unet import UNetConfig
@@ -32,24 +33,11 @@ from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import parallelize, resolve_strategy
 from latentforge.train import finetune
 from latentforge.train.masking import check_kept_tokens
+from latentforge.train.memory import resolve_auto_micro_batch
+from latentforge.train.run_files import DATA_META, TRAIN_CONFIG, RunConfig
 from latentforge.train.trainer import Trainer, TrainConfig, phase_batches
 
 log = logging.getLogger(__name__)
-
-DATA_META = "data_meta.json"
-TRAIN_CONFIG = "train_config.yaml"
-
-
-@dataclass
-class RunConfig:
-    """A training run: the trainer's config plus the loader settings shared by its phases."""
-
-    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "model, objective, phases"})
-    data: LoaderConfig = field(default_factory=LoaderConfig, metadata={
-        "help": "loader settings (seed, workers, caption dropout, cache); datasets come from train.phases"})
-    eval: EvalConfig = field(default_factory=EvalConfig, metadata={
-        "help": "what train.eval.every_steps evaluates: the recipe's eval section (its checkpoint is each step's)"})
-
 
 @dataclass
 class DataSource:
@@ -179,15 +167,11 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
         tcfg = resolve_model_config(tcfg, meta, source)
     device = pick_device(tcfg.device)
     if tcfg.micro_batch_size == "auto":
-        from latentforge.plan.memory import resolve_auto_micro_batch
-
         tcfg = resolve_auto_micro_batch(tcfg, [_phase_latent_shape(p, source) for p in tcfg.phases], device,
                                         world.world_size, unet=base.unet_config if base else None)
     phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
     eval_fn = evaluator if tcfg.eval.every_steps else None
     if tcfg.eval.every_steps and evaluator is None:  # its inputs fail here too, not after the first every_steps steps
-        from latentforge.evaluate.during_training import training_evaluator
-
         eval_fn = training_evaluator(cfg.eval, tcfg.eval, run, world)
     resume_from = ckpt.resolve_resume(run, resume)
     if world.is_main:
@@ -219,8 +203,6 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
                                   "steps: set the global batch to the micro batch, or use carry")
             return build_bucket_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
         return source.build_loader(loader_cfg, micro, rank=world.rank, world_size=world.world_size)
-
-    from latentforge.inference import training_sampler
 
     # The diffusers class, not type(model): FSDP2 has swapped in a subclass (FSDP<class>) by now.
     model_config = {**dict(model.config), "_class_name": denoiser_of(model).model_class_name}
