@@ -248,6 +248,9 @@ def test_lora_trains_only_the_adapters_and_exports_both_ways(assets, tmp_path, t
     assert float((ours - without).abs().max()) > 1e-3  # and the adapters changed the model
 
 
+# Slow (3-4 min here: two bf16 fine-tunes on CPU); the default set keeps the bf16 frozen base through
+# test_lora_8gb_recipe_fine_tunes_a_tiny_pipeline_and_exports_a_lora_file.
+@pytest.mark.slow
 def test_lora_with_bfloat16_frozen_weights(assets, tmp_path, trainers):
     """frozen_dtype bfloat16 (with bf16 autocast): the frozen base is held in bf16, the adapters in
     fp32 and only they are checkpointed and trained; every logged loss stays within bf16 rounding
@@ -446,6 +449,8 @@ def test_config_errors(assets, tmp_path, capsys):
             tmp_path / "r2", progress=False)
 
 
+# Slow (about 2 min here); CPU offload itself stays in the default set (tests/test_cpu_offload.py).
+@pytest.mark.slow
 def test_full_finetune_with_fsdp_cpu_offload_on_one_process(assets, tmp_path, monkeypatch):
     """The 8 GB recipe's memory settings (FSDP2 CPU offload on one process, bf16 blocks,
     recomputed activations, 2 accumulation micro batches): the run starts from the base weights,

@@ -70,6 +70,9 @@ def assert_stopped_at(p: subprocess.CompletedProcess, run_dir: Path, step: int, 
     assert not [d for d in (run_dir / ckpt.CHECKPOINTS).iterdir() if "." in d.name]  # no leftovers
 
 
+# Slow (the longest default test: several CLI runs); the default set keeps signals at fixed points
+# here and SIGKILL at seeded random points (tests/test_trainer.py::test_sigkill_at_random_points_resumes_bitwise).
+@pytest.mark.slow
 def test_signals_at_random_steps_then_reruns_are_bitwise_exact(setup, tmp_path):
     """SIGTERM in the middle of a random step, then SIGUSR1 (the default extra signal, SLURM's
     warning) in a later random step of the rerun: each run finishes its step, saves it and exits
