@@ -22,6 +22,7 @@ def test_flops_grow_with_resolution_and_mfu_arithmetic():
     assert mfu(100.0, 1e9, 1e12) == pytest.approx(0.1)
 
 
+@pytest.mark.slow  # the default suite keeps under 15 minutes; this test took 12-49 s on a quiet machine
 def test_cpu_peak_is_the_best_of_the_timed_matmuls(monkeypatch):
     """2 n^3 FLOPs over the fastest of the repeats, on a clock that reads 0.5, 0.25 and 0.4 s for
     the three timed matmuls (the warm-up is not timed); device_peak_flops on CPU is that figure."""

@@ -97,6 +97,7 @@ def test_signals_at_random_steps_then_reruns_are_bitwise_exact(setup, tmp_path):
     assert_same_run(setup["straight"], run_dir)
 
 
+@pytest.mark.slow  # the default suite keeps under 15 minutes; this test took 12-49 s on a quiet machine
 def test_sigterm_before_the_first_step(setup, tmp_path):
     """A signal during set-up stops before any step: exit 75, nothing saved, no metrics."""
     run_dir = tmp_path / "run"
@@ -122,6 +123,7 @@ def test_sigterm_during_a_checkpoint_write(setup, tmp_path):
     assert_same_run(setup["straight"], run_dir)
 
 
+@pytest.mark.slow  # the default suite keeps under 15 minutes; this test took 12-49 s on a quiet machine
 def test_two_signals_in_a_row_and_one_more_during_the_save(setup, tmp_path):
     """Two SIGINTs (Ctrl-C twice) in step 3, then a SIGTERM in the middle of the stop checkpoint:
     no KeyboardInterrupt, the step-3 checkpoint is complete, and the rerun is exact."""
@@ -137,6 +139,7 @@ def test_two_signals_in_a_row_and_one_more_during_the_save(setup, tmp_path):
     assert_same_run(setup["straight"], run_dir)
 
 
+@pytest.mark.slow  # the default suite keeps under 15 minutes; this test took 12-49 s on a quiet machine
 def test_save_on_signal_off_leaves_the_signal_its_default_action(setup, tmp_path):
     """train.interrupt.save_on_signal=false: SIGTERM ends the process at once, nothing is saved."""
     run_dir = tmp_path / "run"

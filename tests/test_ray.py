@@ -189,6 +189,7 @@ def _latent_rows(root: Path) -> list[dict[str, Any]]:
             for s in index.shards for r in read_shard(str(root / s.name)).to_pylist()]
 
 
+@pytest.mark.slow  # the default suite keeps under 15 minutes; this test took 12-49 s on a quiet machine
 def test_ray_data_encode_equals_the_local_encode_and_resumes_per_shard(latent_data, tmp_path, ray_instance):
     """3 raw shards with one undecodable image, 2 encoder actors with batches that cross shard
     boundaries: the same shards, samples, order, rejects and index meta as ``encode_dataset``,
@@ -334,6 +335,7 @@ def test_ray_flags_without_ray_are_refused(tmp_path, capsys):
     assert "encode: --num-actors is only used with --ray" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the default suite keeps under 15 minutes; this test took 12-49 s on a quiet machine
 def test_a_signal_to_the_driver_stops_the_workers_with_a_checkpoint(latent_data, tmp_path, ray_instance):
     """SIGTERM to the ``train --ray`` driver (sent once checkpoint 2 of 40 steps exists): the driver
     creates STOP_REQUEST, both workers stop after the same step with a complete checkpoint, and
