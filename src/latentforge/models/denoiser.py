@@ -51,6 +51,7 @@ class Denoiser:
     pipeline_class: ClassVar[str]  # the diffusers pipeline an export loads as
     uses_text_mask: ClassVar[bool]  # whether the forward pass takes the caption padding mask
     config_field: ClassVar[str]  # train.<field> holding the typed config
+    text_field: ClassVar[str]  # the config field holding the text encoder's hidden size
     # Whether the pipeline keeps the scheduler's x0 prediction (``step(...)[1]``) when sampling in one step.
     single_step_returns_x0: ClassVar[bool] = False
     # Whether the model works on patch tokens that training can mask (forward_tokens, num_tokens).
@@ -122,12 +123,20 @@ class Denoiser:
 
     @property
     def text_dim(self) -> int:
-        raise NotImplementedError
+        return int(self.diffusers_config()[self.text_field])
 
     def with_data(self, latent_channels: int, latent_size: int, text_dim: int) -> "Denoiser":
         """This backbone with its data-determined fields (those left unset) filled in from the
         latents and the text encoder, checked against them."""
         raise NotImplementedError
+
+    def _filled(self, latent_channels: int, latent_size: int, text_dim: int) -> Any:
+        """The typed config with the fields left unset taken from the latents and the text encoder."""
+        cfg = self.cfg
+        return replace(cfg, in_channels=cfg.in_channels or latent_channels,
+                       out_channels=cfg.out_channels or latent_channels,
+                       sample_size=cfg.sample_size or latent_size,
+                       **{self.text_field: getattr(cfg, self.text_field) or text_dim})
 
     def check_latent_size(self, latent_size: int, where: str) -> None:
         """Refuse a latent side the backbone cannot take (``where``: what the size is, for the message)."""
@@ -179,21 +188,13 @@ class UNetDenoiser(Denoiser):
     pipeline_class = "StableDiffusionPipeline"
     uses_text_mask = False  # StableDiffusionPipeline does not pass it; the U-Net trains without it
     config_field = "unet"
+    text_field = "cross_attention_dim"
 
     def _typed_config(self) -> dict[str, Any]:
         return unet_diffusers_config(self.cfg)
 
-    @property
-    def text_dim(self) -> int:
-        return int(self.diffusers_config()["cross_attention_dim"])
-
     def with_data(self, latent_channels: int, latent_size: int, text_dim: int) -> "UNetDenoiser":
-        cfg = self.cfg
-        filled = replace(cfg,
-                         in_channels=cfg.in_channels or latent_channels,
-                         out_channels=cfg.out_channels or latent_channels,
-                         sample_size=cfg.sample_size or latent_size,
-                         cross_attention_dim=cfg.cross_attention_dim or text_dim)
+        filled = self._filled(latent_channels, latent_size, text_dim)
         resolved = unet_diffusers_config(filled)
         if resolved["in_channels"] != latent_channels or resolved["out_channels"] != latent_channels:
             raise ConfigError(f"train.unet.in_channels: the latents have {latent_channels} channels, the U-Net "
@@ -231,23 +232,15 @@ class DiTDenoiser(Denoiser):
     pipeline_class = "PixArtAlphaPipeline"
     uses_text_mask = True  # PixArtAlphaPipeline passes the caption mask to the cross-attention
     config_field = "dit"
+    text_field = "caption_channels"
     single_step_returns_x0 = True  # PixArtAlphaPipeline.__call__ with num_inference_steps == 1
     masks_patches = True
 
     def _typed_config(self) -> dict[str, Any]:
         return dit_diffusers_config(self.cfg)
 
-    @property
-    def text_dim(self) -> int:
-        return int(self.diffusers_config()["caption_channels"])
-
     def with_data(self, latent_channels: int, latent_size: int, text_dim: int) -> "DiTDenoiser":
-        cfg = self.cfg
-        filled = replace(cfg,
-                         in_channels=cfg.in_channels or latent_channels,
-                         out_channels=cfg.out_channels or latent_channels,
-                         sample_size=cfg.sample_size or latent_size,
-                         caption_channels=cfg.caption_channels or text_dim)
+        filled = self._filled(latent_channels, latent_size, text_dim)
         patch_size = dit_diffusers_config(filled, validate=False)["patch_size"]
         if patch_size >= 1:  # the data's latent side first: the sample size may only be its copy
             DiTDenoiser(filled).check_latent_size(latent_size, "latent side", validate=False)
