@@ -68,11 +68,15 @@ def run_config(recipe, data: Path, steps: int, cache: Path) -> RunConfig:
     return from_dict(RunConfig, {"train": t, "data": {**to_dict(recipe.loader), "cache_dir": str(cache)}})
 
 
-def ours(recipe, images: Path, enc, tmp: Path, steps: int, tag: str) -> dict[str, float]:
-    times = {}
+def timed_ingest(recipe, images: Path, out: Path) -> float:
+    """Seconds to ingest the image folder into ``out`` (one worker, as every side of the bench)."""
     t0 = time.perf_counter()
-    ingest([str(images)], tmp / f"raw-{tag}", replace(recipe.ingest, num_workers=1), progress=False)
-    times["ingest"] = time.perf_counter() - t0
+    ingest([str(images)], out, replace(recipe.ingest, num_workers=1), progress=False)
+    return time.perf_counter() - t0
+
+
+def ours(recipe, images: Path, enc, tmp: Path, steps: int, tag: str) -> dict[str, float]:
+    times = {"ingest": timed_ingest(recipe, images, tmp / f"raw-{tag}")}
     t0 = time.perf_counter()
     encode_dataset(str(tmp / f"raw-{tag}"), str(tmp / f"lat-{tag}"), enc, progress=False)
     times["encode"] = time.perf_counter() - t0
@@ -88,12 +92,9 @@ def online(recipe, images: Path, enc, tmp: Path, steps: int, tag: str) -> dict[s
     import ray
 
     from latentforge.distributed.ray_data import OnlineSource
-    from latentforge.distributed.ray_launch import RayConfig, ray_session
+    from latentforge.distributed.ray_cluster import RayConfig, ray_session
 
-    times = {}
-    t0 = time.perf_counter()
-    ingest([str(images)], tmp / f"oraw-{tag}", replace(recipe.ingest, num_workers=1), progress=False)
-    times["ingest"] = time.perf_counter() - t0
+    times = {"ingest": timed_ingest(recipe, images, tmp / f"oraw-{tag}")}
     t0 = time.perf_counter()
     cfg = run_config(recipe, tmp / f"oraw-{tag}", steps, tmp / f"ocache-{tag}")
     with ray_session(RayConfig(), tmp / f"orun-{tag}", quiet=True):
