@@ -31,7 +31,8 @@ TINY = [
     "vae.steps=100", "vae.num_eval=30",
     "train.phases.0.steps=120", "train.micro_batch_size=16", "train.optim.warmup_steps=10",
     "train.log_every=10", "train.checkpoint.every_steps=60", "train.eval.every_steps=60",
-    "demo.curve_per_combo=4", "demo.prompts_per_combo=8", "demo.wordings=[caption]", "demo.num_steps=10",
+    "demo.curve_per_combo=4", "demo.prompts_per_combo=8", "demo.wordings=[caption,plain]",
+    "demo.new_wording_per_combo=2", "demo.num_steps=10",
     "demo.judge.epochs=1", "demo.judge.num_nonshapes=100",
 ]
 

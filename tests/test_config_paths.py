@@ -215,6 +215,7 @@ CASES = [
     c("train.phases[0].masking_ratio", "0.75", "train.model is unet: set train.model: dit"),
     # demo
     c("demo.prompts_per_combo", "0", "must be at least 1"),
+    c("demo.new_wording_per_combo", "-1", "must be 0"),
     c("demo.batch_size", "0", "must be at least 1"),
     c("demo.curve_per_combo", "-1", "must be 0 (no curve) or more"),
     c("demo.wordings", "[caption, nope]", "unknown wording 'nope'"),

@@ -62,7 +62,10 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     assert all(p["num_images"] == 24 for p in points)  # demo.curve_per_combo=4 x 6 held-out combinations
     report = (out / "report.md").read_text()
     assert "### Quality during training" in report and (out / "run" / "report" / "judge_fd.png").is_file()
-    assert r["evaluation"]["splits"]["heldout"]["wordings"]["caption"]["both"]["num"] == 48
+    heldout = r["evaluation"]["splits"]["heldout"]
+    assert heldout["wordings"]["caption"]["both"]["num"] == 48  # demo.prompts_per_combo=8 x 6 combinations
+    assert heldout["wordings"]["plain"]["both"]["num"] == 12  # demo.new_wording_per_combo=2 x 6
+    assert heldout["new_wordings"]["both"]["num"] == 12
 
 
 @pytest.mark.slow

@@ -36,7 +36,10 @@ class DemoConfig:
     """What the demo evaluates after training (see docs/demo.md for the wordings)."""
 
     prompts_per_combo: int = field(default=16, metadata={
-        "help": "generated images per colour/shape combination and wording (6 combinations x 16 = 96 a split)"})
+        "help": "generated images per colour/shape combination in the caption wording (6 combinations x 16 = 96 a split)"})
+    new_wording_per_combo: int = field(default=0, metadata={
+        "help": "generated images per combination and new wording (6 combinations x 3 wordings x 6 = 108 a split, "
+                "scored together as 'new wordings' and per wording); 0 = prompts_per_combo"})
     num_seen_combos: int = field(default=6, metadata={"help": "training combinations evaluated beside the held-out ones"})
     wordings: list[str] = field(default_factory=lambda: list(WORDINGS), metadata={
         "help": f"prompt wordings scored: {', '.join(WORDINGS)} (all but 'caption' are used by no training caption)"})
@@ -56,6 +59,8 @@ class DemoConfig:
         for name in ("prompts_per_combo", "batch_size"):
             if getattr(self, name) < 1:
                 problems.add(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.new_wording_per_combo < 0:
+            problems.add(f"new_wording_per_combo: must be 0 (= prompts_per_combo) or more, got {self.new_wording_per_combo}")
         if self.curve_per_combo < 0:
             problems.add(f"curve_per_combo: must be 0 (no curve) or more, got {self.curve_per_combo}")
         for w in self.wordings:
@@ -65,6 +70,10 @@ class DemoConfig:
             problems.add("wordings: must include 'caption' (the held-out grid and the distribution metric use it); "
                          "add it")
         problems.raise_if_any()
+
+    def images_per_combo(self, wording: str) -> int:
+        """Images per combination scored in ``wording``."""
+        return self.prompts_per_combo if wording == "caption" else self.new_wording_per_combo or self.prompts_per_combo
 
 
 class _Stages:
@@ -297,7 +306,7 @@ def _evaluate(recipe: Any, out: Path, judge: Any) -> dict[str, Any]:
         per: dict[str, Any] = {"combos": [f"{c} {s}" for c, s in combos], "wordings": {}}
         all_prompts, all_found = [], {}
         for w_i, wording in enumerate(d.wordings):
-            prompts = make_prompts(combos, wording, d.prompts_per_combo, d.seed)
+            prompts = make_prompts(combos, wording, d.images_per_combo(wording), d.seed)
             images = []
             for i in range(0, len(prompts), d.batch_size):
                 g = torch.Generator("cpu").manual_seed(d.seed + 1000 * w_i + i)
