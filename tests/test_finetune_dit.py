@@ -254,6 +254,15 @@ def test_a_recipe_of_the_other_family_is_one_line(assets, tmp_path, capsys):
     assert not run.exists()
 
 
+def test_a_transformer_that_predicts_a_learned_variance_is_one_line(assets, tmp_path, capsys):
+    """PixArt-alpha's published transformers predict 8 channels (noise and variance) from 4."""
+    pipe = Path(shutil.copytree(assets["base"], tmp_path / "pipe"))
+    config = json.loads((pipe / "transformer" / "config.json").read_text())
+    (pipe / "transformer" / "config.json").write_text(json.dumps({**config, "out_channels": 8}))
+    assert main(finetune_args(assets, tmp_path / "run", base=pipe)) == 2
+    _one_error_line(capsys, "predicts 8 channels", "the 4 latent channels")
+
+
 @pytest.mark.parametrize("index_edit, words", [
     (lambda i: {**i, "unet": ["diffusers", "UNet2DConditionModel"]}, ["with both a unet and a transformer"]),
     (lambda i: {k: v for k, v in i.items() if k != "transformer"}, ["with neither a unet nor a transformer"]),

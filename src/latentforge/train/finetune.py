@@ -227,6 +227,9 @@ def check_data_matches_base(base: BasePipeline, meta: dict[str, Any]) -> None:
         raise UserError(f"{where}: the {family.title} takes {config.get('in_channels')} latent channels but the "
                         f"latent shards have {channels}: they were not encoded with this pipeline's VAE "
                         "(latentforge encode --from)")
+    if config.get("out_channels", channels) != channels:
+        raise UserError(f"{where}: the {family.title} predicts {config.get('out_channels')} channels (a learned "
+                        f"variance), the objective trains the {channels} latent channels only: not fine-tuned here")
     if config.get(family.text_field) != text_dim:
         raise UserError(f"{where}: the {family.title}'s {family.text_field} is {config.get(family.text_field)} but "
                         f"the latent shards' text embeddings are {text_dim}-d: encode with this pipeline's text encoder")
