@@ -22,11 +22,10 @@ from diffusers import DiffusionPipeline, PixArtAlphaPipeline, PixArtTransformer2
 from PIL import Image
 
 from latentforge.cli import main
-from latentforge.config import from_dict
+from latentforge.config import from_dict, load_config
 from latentforge.data.encode import EncodeConfig, encode_dataset
 from latentforge.train.finetune import build_finetune_model, open_base
 from latentforge.train.run import TRAIN_CONFIG, RunConfig, train
-from latentforge.config import load_config
 from latentforge.train.trainer import Trainer
 from test_finetune import _one_error_line, make_tiny_pipeline
 from test_trainer import Killed, assert_same_tensors, checkpoint_steps, kill_before_step, load_step, metrics
