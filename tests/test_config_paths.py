@@ -206,7 +206,6 @@ CASES = [
     c("train.unet.transformer_layers_per_block", "0", "must be positive"),
     c("train.dit.num_layers", "0", "must be a positive integer", "train.model=dit"),
     c("train.dit.patch_size", "3", "does not divide the sample_size 16", "train.model=dit"),
-    c("train.model", "dit", "cannot fine-tune", "train.init_from=/pipelines/sd2"),
     c("train.masking.ratio", "1", "must be >= 0 and < 1", "train.model=dit"),
     c("train.masking.ratio", "0.5", "train.model is unet: set train.model: dit"),
     c("train.masking.mixer_blocks", "-1", "must be >= 0"),

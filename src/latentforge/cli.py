@@ -225,8 +225,8 @@ def cmd_export(ns, overrides):
 
     out = export_pipeline(ns.checkpoint, ns.out, use_ema=not ns.no_ema, scheduler=ns.scheduler,
                           lora_file=ns.lora_file)
-    what = "LoRA weights for StableDiffusionPipeline.load_lora_weights" if ns.lora_file else \
-        "diffusers StableDiffusionPipeline"
+    pipeline = json.loads((out / "latentforge_export.json").read_text())["pipeline"]
+    what = f"LoRA weights for {pipeline}.load_lora_weights" if ns.lora_file else f"diffusers {pipeline}"
     print(f"export: {what} -> {out}")
 
 
@@ -398,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--num-actors", dest="num_actors", type=int,
                     help="--online-encode: encoder actors per training process (default 1)")
 
-    sp = add("finetune", cmd_train, "fine-tune a diffusers Stable Diffusion pipeline (full or LoRA with train.lora) "
+    sp = add("finetune", cmd_train, "fine-tune a diffusers Stable Diffusion pipeline, or a PixArtAlphaPipeline with train.model=dit (full or "
+             "LoRA with train.lora) "
              "on latent shards encoded with encode --from DIR; resumes like train")
     sp.add_argument("run_dir", metavar="RUN_DIR", help="run directory: checkpoints, logs, samples")
     sp.add_argument("--from", dest="base", metavar="DIR", required=True,

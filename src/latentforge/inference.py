@@ -91,9 +91,9 @@ def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | 
     c = ckpt.load_checkpoint(path)
     group = "ema" if use_ema and "ema" in c.tensors else "model"  # a run without EMA has only the raw weights
     if cfg.train.init_from:  # a fine-tuning run: the architecture (and a LoRA's base) is the base pipeline's
-        from latentforge.train.finetune import unet_for_run
+        from latentforge.train.finetune import model_for_run
 
-        unet = unet_for_run(cfg.train, c.tensors[group], str(path))
+        unet = model_for_run(cfg.train, c.tensors[group], str(path))
     else:
         unet = denoiser_for(cfg.train).build()
         unet.load_state_dict(c.tensors[group])

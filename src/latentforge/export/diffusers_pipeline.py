@@ -16,9 +16,12 @@ length captions were encoded at (written to ``latentforge_export.json`` as ``cal
 passes the padding mask to the text encoder, so a run encoded without it is not exported.
 
 A LoRA fine-tuning run (``train.lora``) exports either this full pipeline with the adapters
-merged into the base U-Net (``fuse_lora``), or with ``lora_file=True`` only the adapter file
+merged into the base denoiser, or, for a U-Net, with ``lora_file=True`` only the adapter file
 ``pytorch_lora_weights.safetensors`` (``StableDiffusionPipeline.save_lora_weights``), which
 ``StableDiffusionPipeline.from_pretrained(BASE).load_lora_weights(DIR)`` applies to the base pipeline.
+diffusers 0.42 has no LoRA loader for PixArt (no ``PixArtAlphaPipeline.load_lora_weights``, no
+``load_lora_adapter`` on ``PixArtTransformer2DModel``), so a transformer's adapter file is refused:
+nothing could load it.
 
 The directory is written under a temporary name next to ``out_dir`` and renamed into place when
 complete, so an interrupted export leaves no half-written pipeline under the final name.
@@ -61,6 +64,10 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
         raise UserError(f"{path}: not a LoRA run (train.lora is unset): export the full pipeline instead")
     denoiser = denoiser_for(cfg.train)
     pipeline_class = getattr(diffusers, denoiser.pipeline_class)
+    if lora_file and not hasattr(pipeline_class, "load_lora_weights"):
+        raise UserError(f"export --lora-file: {denoiser.pipeline_class} has no load_lora_weights in diffusers "
+                        f"{diffusers.__version__}, so nothing could load a {denoiser.title} adapter file: export the "
+                        "merged pipeline (without --lora-file)")
     if meta["vae"].get("shift_factor"):
         raise UserError(f"export: the run's VAE has a shift_factor, which {denoiser.pipeline_class} ignores when "
                         "decoding (it decodes latents / scaling_factor): the pipeline could not reproduce this model")
@@ -77,12 +84,12 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
     check_scheduler_objective(sampler, comps.noise)
     lora_state = None
     if is_lora:
-        from latentforge.train.finetune import lora_state_for_diffusers
+        from latentforge.train.finetune import lora_state_for_diffusers, merge_lora_adapters
 
-        lora_state = lora_state_for_diffusers(comps.unet)
-        lora_config = comps.unet.peft_config["default"].to_dict()
-        comps.unet.fuse_lora()  # W + (alpha / r) B A, then drop the adapter layers
-        comps.unet.unload_lora()
+        if lora_file:
+            lora_state = lora_state_for_diffusers(comps.unet)
+            lora_config = comps.unet.peft_config["default"].to_dict()
+        merge_lora_adapters(comps.unet)  # W + (alpha / r) B A, then drop the adapter layers
     # comps.text_model.config.use_attention_mask is the encode step's (load_encoders set it): the
     # pipeline passes the padding mask exactly when the training data was encoded with it.
     comps.tokenizer.model_max_length = comps.max_length

@@ -49,6 +49,8 @@ class Denoiser:
     kind: ClassVar[str]  # the train.model value
     model_class_name: ClassVar[str]  # the diffusers class
     pipeline_class: ClassVar[str]  # the diffusers pipeline an export loads as
+    pipeline_component: ClassVar[str]  # the model's folder (and model_index.json key) in that pipeline
+    title: ClassVar[str]  # what messages call it
     uses_text_mask: ClassVar[bool]  # whether the forward pass takes the caption padding mask
     config_field: ClassVar[str]  # train.<field> holding the typed config
     text_field: ClassVar[str]  # the config field holding the text encoder's hidden size
@@ -186,6 +188,8 @@ class UNetDenoiser(Denoiser):
     kind = "unet"
     model_class_name = "UNet2DConditionModel"
     pipeline_class = "StableDiffusionPipeline"
+    pipeline_component = "unet"
+    title = "U-Net"
     uses_text_mask = False  # StableDiffusionPipeline does not pass it; the U-Net trains without it
     config_field = "unet"
     text_field = "cross_attention_dim"
@@ -230,6 +234,8 @@ class DiTDenoiser(Denoiser):
     kind = "dit"
     model_class_name = "PixArtTransformer2DModel"
     pipeline_class = "PixArtAlphaPipeline"
+    pipeline_component = "transformer"
+    title = "transformer"
     uses_text_mask = True  # PixArtAlphaPipeline passes the caption mask to the cross-attention
     config_field = "dit"
     text_field = "caption_channels"

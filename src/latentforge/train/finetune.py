@@ -1,16 +1,25 @@
-"""Fine-tuning existing Stable Diffusion weights from a local diffusers pipeline directory.
+"""Fine-tuning existing weights from a local diffusers pipeline directory.
 
-``train.init_from: DIR`` (or ``latentforge finetune --from DIR``) starts the U-Net from
-``DIR/unet`` (its own ``config.json``, so SD 1.x and 2.x layouts both load) and takes the noise
-schedule, prediction type included, from ``DIR/scheduler``. The latent shards must have been
+``train.init_from: DIR`` (or ``latentforge finetune --from DIR``) starts the denoiser from the
+pipeline's own model: ``DIR/unet`` of a Stable Diffusion pipeline (its own ``config.json``, so SD
+1.x and 2.x layouts both load), or ``DIR/transformer`` of a PixArtAlphaPipeline (what latentforge
+exports from a ``train.model: dit`` run). The family is the base's: ``train.model`` must name it,
+and the other family's fields are refused (:func:`check_recipe_matches_base`). The difference
+between the families is the denoiser's (``models/denoiser.py``: its class, its folder in the
+pipeline, its text-width field); nothing here or in the callers branches on it. The noise
+schedule, prediction type included (flow matching too), comes from ``DIR/scheduler``. The latent shards must have been
 encoded with ``DIR/vae`` and ``DIR/text_encoder`` (``latentforge encode --from DIR``): their
 meta records the fingerprints, and :func:`check_data_matches_base` refuses anything else, naming
 what differs (latent channels, text width, scale factor, or the weights themselves).
 
-With ``train.lora`` set, the U-Net's base weights are frozen and ``peft`` LoRA adapters are added
-to the attention projections (Hu et al. 2021, "LoRA", arXiv:2106.09685); only the adapter
-weights are trained, checkpointed and averaged by the EMA. A LoRA run exports either the
-adapter file that ``StableDiffusionPipeline.load_lora_weights`` reads or the merged pipeline.
+With ``train.lora`` set, the denoiser's base weights are frozen and ``peft`` LoRA adapters are
+added to the attention projections (Hu et al. 2021, "LoRA", arXiv:2106.09685); PixArt's
+self- and cross-attention use the U-Net's module names (``attn1``/``attn2`` with ``to_q``,
+``to_k``, ``to_v``, ``to_out.0``), so the default targets are the same. Only the adapter weights
+are trained, checkpointed and averaged by the EMA. A U-Net LoRA run exports either the adapter
+file that ``StableDiffusionPipeline.load_lora_weights`` reads or the merged pipeline; a
+transformer's exports merged only (diffusers 0.42 has no LoRA loader for PixArt: neither
+``PixArtAlphaPipeline.load_lora_weights`` nor ``PixArtTransformer2DModel.load_lora_adapter``).
 
 ``peft`` is imported only when a LoRA is asked for.
 """
@@ -24,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import UNet2DConditionModel
 
 from latentforge.diffusion.schedule import NoiseScheduleConfig
 from latentforge.errors import ConfigError, Problems, UserError
+from latentforge.models.denoiser import BACKBONES, Denoiser, denoiser_from_config
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +44,20 @@ __all__ = [
     "LoRAConfig",
     "BasePipeline",
     "open_base",
+    "check_recipe_matches_base",
     "check_data_matches_base",
     "base_noise_config",
-    "build_finetune_unet",
+    "build_finetune_model",
+    "add_lora_adapters",
+    "merge_lora_adapters",
     "trainable_state_dict",
     "load_trainable_state_dict",
-    "unet_for_run",
+    "model_for_run",
     "lora_state_for_diffusers",
 ]
 
-# Components a StableDiffusionPipeline directory must hold for fine-tuning.
-_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+# Components besides the denoiser a pipeline directory must hold for fine-tuning.
+_COMPONENTS = ("vae", "text_encoder", "tokenizer", "scheduler")
 # diffusers scheduler config keys -> NoiseScheduleConfig fields (the rest of the file is sampler settings).
 _SCHEDULER_KEYS = {
     "num_train_timesteps": "num_train_timesteps",
@@ -61,7 +73,7 @@ _SCHEDULER_KEYS = {
 
 @dataclass
 class LoRAConfig:
-    """LoRA adapters on the U-Net (the base weights stay frozen and are never saved)."""
+    """LoRA adapters on the denoiser (the base weights stay frozen and are never saved)."""
 
     rank: int = field(default=8, metadata={"help": "rank r of each adapter (A: r x in, B: out x r)"})
     alpha: float = field(default=0.0, metadata={
@@ -85,19 +97,26 @@ class LoRAConfig:
     def peft_config(self) -> Any:
         from peft import LoraConfig
 
-        # "gaussian": A ~ N(0, 1/r), B = 0, so the adapted U-Net starts exactly at the base model.
+        # "gaussian": A ~ N(0, 1/r), B = 0, so the adapted model starts exactly at the base model.
         return LoraConfig(r=self.rank, lora_alpha=self.alpha or self.rank, lora_dropout=self.dropout,
                           init_lora_weights="gaussian", target_modules=list(self.target_modules))
 
 
 @dataclass(frozen=True)
 class BasePipeline:
-    """A local diffusers Stable Diffusion pipeline directory, checked to hold every component."""
+    """A local diffusers pipeline directory, checked to hold every component; ``denoiser``: its
+    model's family with the model's ``config.json`` (``model_config``)."""
 
     path: Path
-    unet_config: dict[str, Any]
+    denoiser: Denoiser
+    model_config: dict[str, Any]
     vae_config: dict[str, Any]
     scheduler_config: dict[str, Any]
+    pipeline_class: str  # model_index.json's _class_name
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / self.denoiser.pipeline_component
 
 
 def _read_json(path: Path, base: Path, what: str) -> dict[str, Any]:
@@ -113,28 +132,48 @@ def _read_json(path: Path, base: Path, what: str) -> dict[str, Any]:
 
 
 def open_base(path: str | Path) -> BasePipeline:
-    """Check that ``path`` is a local diffusers Stable Diffusion pipeline and read its configs."""
+    """Check that ``path`` is a local diffusers pipeline of a family latentforge trains (a Stable
+    Diffusion pipeline's U-Net or a PixArtAlphaPipeline's transformer) and read its configs."""
     base = Path(path).expanduser()
     if not base.is_dir():
         raise UserError(f"{path}: no such directory (init_from needs a local diffusers pipeline directory)")
     index = _read_json(base / "model_index.json", base, "the pipeline index")
-    if isinstance(index.get("transformer"), list) and "unet" not in index:
-        # e.g. an exported train.model=dit run (PixArtAlphaPipeline): another family than the U-Net's.
-        raise UserError(f"{base}: a {index.get('_class_name')} with a {index['transformer'][-1]}: init_from "
-                        "fine-tunes the U-Net of a Stable Diffusion pipeline; a transformer is not turned into one")
-    missing = [c for c in _COMPONENTS if not isinstance(index.get(c), list) or index[c][0] is None]
+    name = index.get("_class_name")
+    folders = {cls.pipeline_component: cls for cls in BACKBONES.values()}
+    present = [c for c in folders if isinstance(index.get(c), list) and index[c][-1] is not None]
+    if len(present) != 1:
+        what = "both a " + " and a ".join(present) if present else "neither a " + " nor a ".join(folders)
+        raise UserError(f"{base}: a {name} with {what}: fine-tuning needs a pipeline with one denoiser, a "
+                        + " or ".join(f"{cls.pipeline_class}'s {cls.pipeline_component}" for cls in BACKBONES.values()))
+    family = folders[present[0]]
+    missing = [c for c in _COMPONENTS if not isinstance(index.get(c), list) or index[c][-1] is None]
     if missing:
-        raise UserError(f"{base}: model_index.json names no {', '.join(missing)}: fine-tuning needs a "
-                        f"Stable Diffusion pipeline with {', '.join(_COMPONENTS)}")
-    unet = _read_json(base / "unet" / "config.json", base, "the U-Net config")
-    if unet.get("_class_name") != "UNet2DConditionModel":
-        raise UserError(f"{base}/unet: holds a {unet.get('_class_name')}, not a UNet2DConditionModel "
-                        "(SD 1.x/2.x pipelines only)")
-    if not list((base / "unet").glob("*.safetensors")):
-        raise UserError(f"{base}/unet: no .safetensors weights (pickled .bin weights are not loaded)")
+        raise UserError(f"{base}: model_index.json names no {', '.join(missing)}: fine-tuning needs a pipeline "
+                        f"with {family.pipeline_component}, {', '.join(_COMPONENTS)}")
+    folder = family.pipeline_component
+    config = _read_json(base / folder / "config.json", base, f"the {family.title} config")
+    if config.get("_class_name") != family.model_class_name:
+        raise UserError(f"{base}/{folder}: holds a {config.get('_class_name')}, not a {family.model_class_name} "
+                        f"(the {folder} latentforge fine-tunes)")
+    if not list((base / folder).glob("*.safetensors")):
+        raise UserError(f"{base}/{folder}: no .safetensors weights (pickled .bin weights are not loaded)")
     vae = _read_json(base / "vae" / "config.json", base, "the VAE config")
     scheduler = _read_json(base / "scheduler" / "scheduler_config.json", base, "the scheduler config")
-    return BasePipeline(base, unet, vae, scheduler)
+    return BasePipeline(base, denoiser_from_config(config), config, vae, scheduler, str(name))
+
+
+def check_recipe_matches_base(base: BasePipeline, train_cfg: Any) -> None:
+    """Refuse a recipe of another family than the base's (``train.model``), or one that sets the
+    architecture (``train.unet`` / ``train.dit``): the architecture is the base model's."""
+    family = base.denoiser
+    if train_cfg.model != family.kind:
+        raise ConfigError(f"train.model: {train_cfg.model}, but {base.path} is a {base.pipeline_class} whose "
+                          f"denoiser is a {family.model_class_name} ({family.title}): set train.model: "
+                          f"{family.kind} to fine-tune it")
+    for cls in BACKBONES.values():
+        if getattr(train_cfg, cls.config_field).overrides():
+            raise ConfigError(f"train.{cls.config_field}: with init_from the architecture is the base pipeline's "
+                              f"{family.title} ({base.model_dir}): remove train.{cls.config_field}")
 
 
 def base_noise_config(base: BasePipeline, configured: NoiseScheduleConfig) -> NoiseScheduleConfig:
@@ -183,13 +222,17 @@ def check_data_matches_base(base: BasePipeline, meta: dict[str, Any]) -> None:
 
     where = base.path
     channels, text_dim = meta["latent_shape"][0], meta["text_shape"][-1]
-    u = base.unet_config
-    if u.get("in_channels") != channels:
-        raise UserError(f"{where}: the U-Net takes {u.get('in_channels')} latent channels but the latent shards "
-                        f"have {channels}: they were not encoded with this pipeline's VAE (latentforge encode --from)")
-    if u.get("cross_attention_dim") != text_dim:
-        raise UserError(f"{where}: the U-Net's cross_attention_dim is {u.get('cross_attention_dim')} but the "
-                        f"latent shards' text embeddings are {text_dim}-d: encode with this pipeline's text encoder")
+    family, config = base.denoiser, base.model_config
+    if config.get("in_channels") != channels:
+        raise UserError(f"{where}: the {family.title} takes {config.get('in_channels')} latent channels but the "
+                        f"latent shards have {channels}: they were not encoded with this pipeline's VAE "
+                        "(latentforge encode --from)")
+    if config.get("out_channels", channels) != channels:
+        raise UserError(f"{where}: the {family.title} predicts {config.get('out_channels')} channels (a learned "
+                        f"variance), the objective trains the {channels} latent channels only: not fine-tuned here")
+    if config.get(family.text_field) != text_dim:
+        raise UserError(f"{where}: the {family.title}'s {family.text_field} is {config.get(family.text_field)} but "
+                        f"the latent shards' text embeddings are {text_dim}-d: encode with this pipeline's text encoder")
     vae_meta = meta["vae"]
     v = base.vae_config
     if v.get("latent_channels") != channels:
@@ -216,30 +259,71 @@ def check_data_matches_base(base: BasePipeline, meta: dict[str, Any]) -> None:
                         f"tokenizer ({text_meta.get('path')}): re-encode them with latentforge encode --from {where}")
 
 
-def build_finetune_unet(base: BasePipeline, lora: LoRAConfig | None,
-                        frozen_dtype: torch.dtype = torch.float32) -> UNet2DConditionModel:
-    """The U-Net to train: the base weights, plus frozen-base LoRA adapters when ``lora`` is set.
+def add_lora_adapters(model: torch.nn.Module, peft_config: Any) -> None:
+    """Add ``peft_config``'s adapters (named ``default``) to ``model`` in place: through diffusers'
+    ``add_adapter`` where the class has it (the U-Net), else with peft's ``inject_adapter_in_model``
+    (PixArtTransformer2DModel has no adapter mixin in diffusers 0.42); the parameter names are the same."""
+    if hasattr(model, "add_adapter"):
+        model.add_adapter(peft_config)
+        return
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(peft_config, model, adapter_name="default")
+    model.peft_config = {"default": peft_config}
+
+
+def merge_lora_adapters(model: torch.nn.Module) -> torch.nn.Module:
+    """Merge every adapter into its base layer (W + (alpha / r) B A) and put the base layer back in
+    its place, so that ``model`` has exactly the base model's modules and state-dict keys."""
+    if hasattr(model, "fuse_lora"):
+        model.fuse_lora()
+        model.unload_lora()
+        return model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapted = [(name, m) for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+    for name, module in adapted:
+        module.merge()
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, module.get_base_layer())
+    vars(model).pop("peft_config", None)
+    return model
+
+
+def build_finetune_model(base: BasePipeline, lora: LoRAConfig | None,
+                         frozen_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The denoiser to train: the base weights, plus frozen-base LoRA adapters when ``lora`` is set.
 
     ``frozen_dtype``: the dtype of the frozen base weights of a LoRA run (bfloat16 halves their
     memory; the adapters stay float32, the master weights the optimizer updates)."""
-    from latentforge.models.unet import load_unet
-
-    unet = load_unet(str(base.path), subfolder="unet")
+    model = _load_base_model(base)
     if lora is None:
         if frozen_dtype != torch.float32:
             raise ConfigError("train.frozen_dtype: only LoRA runs have frozen weights; use float32")
-        return unet
-    unet.requires_grad_(False)
+        return model
+    model.requires_grad_(False)
     if frozen_dtype != torch.float32:
-        unet.to(frozen_dtype)
+        model.to(frozen_dtype)
     try:
-        unet.add_adapter(lora.peft_config())
+        add_lora_adapters(model, lora.peft_config())
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise ConfigError(f"train.lora.target_modules: {e}") from None
-    for p in unet.parameters():
+    for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
-    return unet
+    return model
+
+
+def _load_base_model(base: BasePipeline) -> torch.nn.Module:
+    """The base pipeline's denoiser with its weights (safetensors only)."""
+    folder = base.denoiser.pipeline_component
+    try:
+        # accelerate is not a dependency; without it diffusers loads this way anyway (and warns).
+        return base.denoiser.model_class().from_pretrained(str(base.path), subfolder=folder, use_safetensors=True,
+                                                           low_cpu_mem_usage=False)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{base.model_dir}: cannot load a diffusers {base.denoiser.model_class_name} with "
+                        f"safetensors weights there ({e})") from e
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -258,19 +342,19 @@ def load_trainable_state_dict(model: torch.nn.Module, tensors: dict[str, torch.T
     assert not result.unexpected_keys
 
 
-def unet_for_run(tcfg: Any, tensors: dict[str, torch.Tensor], where: str) -> UNet2DConditionModel:
-    """The U-Net of a fine-tuning run with the checkpoint ``tensors`` (one group: model or ema)."""
+def model_for_run(tcfg: Any, tensors: dict[str, torch.Tensor], where: str) -> torch.nn.Module:
+    """The denoiser of a fine-tuning run with the checkpoint ``tensors`` (one group: model or ema)."""
     base = open_base(tcfg.init_from)
     if tcfg.lora is None:
-        unet = UNet2DConditionModel.from_config(base.unet_config)
-        unet.load_state_dict(tensors)
-        return unet
-    unet = build_finetune_unet(base, tcfg.lora)
-    load_trainable_state_dict(unet, tensors, where)
-    return unet
+        model = base.denoiser.build()
+        model.load_state_dict(tensors)
+        return model
+    model = build_finetune_model(base, tcfg.lora)
+    load_trainable_state_dict(model, tensors, where)
+    return model
 
 
-def lora_state_for_diffusers(unet: UNet2DConditionModel) -> dict[str, torch.Tensor]:
+def lora_state_for_diffusers(unet: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter weights in the key layout ``StableDiffusionPipeline.save_lora_weights`` writes
     (and ``load_lora_weights`` reads), as diffusers' own LoRA training script produces them."""
     from diffusers.utils import convert_state_dict_to_diffusers

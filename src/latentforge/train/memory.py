@@ -182,14 +182,16 @@ class _FusedAttention(torch.autograd.Function):
 
 def _add_lora(model: torch.nn.Module, lora_json: str) -> None:
     """Freeze ``model`` (its base in the frozen dtype) and add fp32 LoRA adapters, as
-    ``train.finetune.build_finetune_unet`` does, on the model's (meta) device."""
+    ``train.finetune.build_finetune_model`` does, on the model's (meta) device."""
     from peft import LoraConfig
+
+    from latentforge.train.finetune import add_lora_adapters
 
     lora = json.loads(lora_json)
     model.requires_grad_(False)
     if lora["frozen_dtype"] == "bfloat16":
         torch.nn.Module.to(model, torch.bfloat16)
-    model.add_adapter(LoraConfig(r=lora["rank"], lora_alpha=lora["rank"], init_lora_weights="gaussian",
+    add_lora_adapters(model, LoraConfig(r=lora["rank"], lora_alpha=lora["rank"], init_lora_weights="gaussian",
                                  target_modules=list(lora["target_modules"])))
     for p in model.parameters():
         if p.requires_grad:

@@ -158,8 +158,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
     base = None
     if tcfg.init_from:
         base = finetune.open_base(tcfg.init_from)
-        if tcfg.unet.overrides():
-            raise ConfigError("train.unet: with init_from the U-Net is the base pipeline's: remove train.unet")
+        finetune.check_recipe_matches_base(base, tcfg)
         finetune.check_data_matches_base(base, meta)
         _note_resolution(base, meta, tcfg, world)
         tcfg = replace(tcfg, noise=finetune.base_noise_config(base, tcfg.noise))
@@ -168,7 +167,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
     device = pick_device(tcfg.device)
     if tcfg.micro_batch_size == "auto":
         tcfg = resolve_auto_micro_batch(tcfg, [_phase_latent_shape(p, source) for p in tcfg.phases], device,
-                                        world.world_size, unet=base.unet_config if base else None)
+                                        world.world_size, unet=base.model_config if base else None)
     phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
     eval_fn = evaluator if tcfg.eval.every_steps else None
     if tcfg.eval.every_steps and evaluator is None:  # its inputs fail here too, not after the first every_steps steps
@@ -185,7 +184,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
     # device and its shards back, so the whole fp32 model is never on the device.
     init_device = torch.device("cpu") if tcfg.parallel.cpu_offload else device
     if base is not None:
-        model = finetune.build_finetune_unet(base, tcfg.lora, getattr(torch, tcfg.frozen_dtype)).to(init_device)
+        model = finetune.build_finetune_model(base, tcfg.lora, getattr(torch, tcfg.frozen_dtype)).to(init_device)
     else:
         model = denoiser_for(tcfg).build().to(init_device)
     model.train()
@@ -221,7 +220,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
 def _note_resolution(base: Any, meta: dict[str, Any], cfg: TrainConfig, world: World) -> None:
     """A fine-tune whose phases leave the resolution at 0 trains at the latents' resolution: say
     so when it is not the pipeline's own (SD fine-tunes at other sizes too, so it is not refused)."""
-    native = base.unet_config.get("sample_size", 0) * meta["vae"].get("downsample_factor", 0)
+    native = base.model_config.get("sample_size", 0) * meta["vae"].get("downsample_factor", 0)
     if world.is_main and meta.get("resolution") != native and not all(p.resolution for p in cfg.phases):
         print(f"finetune: training at the latents' {meta.get('resolution')} px; {base.path} was made for "
               f"{native} px", flush=True)

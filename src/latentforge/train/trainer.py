@@ -205,10 +205,11 @@ class TrainConfig:
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"],
                                                                       metadata={"help": "metric loggers"})
     init_from: str = field(default="", metadata={
-        "help": "fine-tune: a local diffusers Stable Diffusion pipeline directory; the U-Net and the noise schedule "
-                "come from it (train.unet is unused), the data must be encoded with its VAE and text encoder"})
+        "help": "fine-tune: a local diffusers pipeline directory (Stable Diffusion, or a PixArtAlphaPipeline with "
+                "train.model: dit); the denoiser and the noise schedule come from it (train.unet / train.dit are "
+                "unused), the data must be encoded with its VAE and text encoder"})
     lora: LoRAConfig | None = field(default=None, metadata={
-        "help": "with init_from: train LoRA adapters on a frozen U-Net instead of all its weights; null = full"})
+        "help": "with init_from: train LoRA adapters on a frozen denoiser instead of all its weights; null = full"})
     frozen_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
         "help": "dtype of the frozen base weights of a LoRA run (bfloat16 halves them; needs precision bf16)"})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={
@@ -284,10 +285,6 @@ class TrainConfig:
             if self.masking.mixer_blocks >= num_layers:
                 problems.add(f"masking.mixer_blocks: {self.masking.mixer_blocks} of the transformer's {num_layers} "
                              "blocks leaves none to run on the kept patches only: use fewer")
-        if self.model != "unet" and self.init_from:
-            # A fine-tune continues the base pipeline's own U-Net: it cannot become another family.
-            problems.add(f"model: {self.model} cannot fine-tune init_from={self.init_from} (a Stable Diffusion "
-                         "pipeline's U-Net): remove train.model, or train the transformer from scratch")
         problems.raise_if_any()
 
 
