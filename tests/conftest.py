@@ -9,6 +9,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+@pytest.fixture
+def trainers(monkeypatch) -> list:
+    """Every Trainer whose fit() runs during the test, in order (to inspect the model it trained)."""
+    from latentforge.train.trainer import Trainer
+
+    seen: list[Trainer] = []
+    fit = Trainer.fit
+
+    def keep(self, resume_from=None):
+        seen.append(self)
+        return fit(self, resume_from)
+
+    monkeypatch.setattr(Trainer, "fit", keep)
+    return seen
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Training tests run torch on one thread: two-process tests and a busy 2-vCPU machine

@@ -17,7 +17,6 @@ import safetensors.torch
 import torch
 import yaml
 from diffusers import DiffusionPipeline, PixArtAlphaPipeline, PixArtTransformer2DModel
-from PIL import Image
 
 from latentforge import checkpoint as ckpt
 from latentforge.cli import main
@@ -29,6 +28,7 @@ from latentforge.models.denoiser import DiTDenoiser, denoiser_for, denoiser_of
 from latentforge.models.dit import PRESETS, DiTConfig, dit_diffusers_config, dit_num_params
 from latentforge.train.run import RunConfig, train
 from latentforge.train.trainer import Trainer, TrainConfig
+from sample_cli import sample_cli
 from tiny_models import make_raw_dataset, make_tiny_bert, make_tiny_vae
 
 RES = 32  # pixels; the tiny VAE halves it: 16x16x4 latents, 64 tokens at patch 2
@@ -287,15 +287,6 @@ def exported(run, tmp_path_factory) -> Path:
     return out
 
 
-def _sample_cli(run: Path, out: Path, seed: int) -> np.ndarray:
-    args = ["sample", "--checkpoint", str(run), "--out", str(out), "--cfg", str(CFG), "--steps", str(STEPS),
-            "--seed", str(seed)]
-    for p in PROMPTS:
-        args += ["--prompt", p]
-    assert main(args) == 0
-    return np.stack([np.asarray(Image.open(out / f"{i:04d}.png").convert("RGB")) for i in range(len(PROMPTS))]) / 255.0
-
-
 def test_exported_pixart_pipeline_loads_offline_and_reproduces_sample(run, exported, tmp_path):
     index = json.loads((exported / "model_index.json").read_text())
     assert index["_class_name"] == "PixArtAlphaPipeline"
@@ -316,7 +307,7 @@ def test_exported_pixart_pipeline_loads_offline_and_reproduces_sample(run, expor
                     generator=torch.Generator("cpu").manual_seed(7), output_type=output_type, **call).images
 
     images = theirs("np")
-    ours = _sample_cli(run, tmp_path / "samples", seed=7)
+    ours = sample_cli(run, tmp_path / "samples", PROMPTS, seed=7, steps=STEPS, cfg=CFG)
     assert images.shape == ours.shape == (len(PROMPTS), RES, RES, 3)
     assert np.abs(images - ours).max() <= TOL
     assert np.abs(ours[0] - ours[1]).max() > 10 * TOL  # the prompts matter

@@ -38,6 +38,7 @@ from latentforge.inference import (
 )
 from latentforge.models.autoencoder import load_vae
 from latentforge.train.run import RunConfig, train
+from sample_cli import read_samples
 from tiny_models import make_raw_dataset, make_tiny_bert, make_tiny_clip, make_tiny_t5, make_tiny_vae
 
 RES = 16  # pixels; the tiny VAE halves it: 8x8x4 latents, the tiny U-Net preset's size
@@ -161,8 +162,7 @@ def _sample_cli(run: TinyRun, out: Path, seed: int, sampler: str = "ddim", ema: 
                 num_per_prompt: int = 1) -> np.ndarray:
     """``latentforge sample`` -> its PNGs as (N, H, W, 3) floats in [0, 1]."""
     assert main(_sample_args(run.path, out, seed, sampler, ema, num_per_prompt)) == 0
-    n = len(PROMPTS) * num_per_prompt
-    return np.stack([np.asarray(Image.open(out / f"{i:04d}.png").convert("RGB")) for i in range(n)]) / 255.0
+    return read_samples(out, len(PROMPTS) * num_per_prompt)
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:

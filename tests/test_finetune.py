@@ -24,7 +24,6 @@ from latentforge.errors import ConfigError, UserError
 from latentforge.models.autoencoder import load_vae
 from latentforge.models.text import load_text_encoder
 from latentforge.train.run import TRAIN_CONFIG, RunConfig, train
-from latentforge.train.trainer import Trainer
 from test_trainer import Killed, assert_same_tensors, checkpoint_steps, kill_before_step, load_step, metrics
 from tiny_models import make_raw_dataset, make_tiny_clip, make_tiny_vae
 
@@ -184,20 +183,6 @@ def expected_lora_params(pipe_dir: Path, rank: int = LORA_RANK) -> int:
         if isinstance(module, torch.nn.Linear) and any(name.endswith("." + t) for t in TARGETS):
             total += rank * (module.in_features + module.out_features)
     return total
-
-
-@pytest.fixture
-def trainers(monkeypatch) -> list[Trainer]:
-    """Every Trainer whose fit() runs during the test, in order (to inspect the model it trained)."""
-    seen: list[Trainer] = []
-    fit = Trainer.fit
-
-    def keep(self, resume_from=None):
-        seen.append(self)
-        return fit(self, resume_from)
-
-    monkeypatch.setattr(Trainer, "fit", keep)
-    return seen
 
 
 def test_lora_trains_only_the_adapters_and_exports_both_ways(assets, tmp_path, trainers):

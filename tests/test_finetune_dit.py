@@ -19,16 +19,15 @@ import pytest
 import safetensors.torch
 import torch
 from diffusers import DiffusionPipeline, PixArtAlphaPipeline, PixArtTransformer2DModel
-from PIL import Image
 
 from latentforge.cli import main
 from latentforge.config import from_dict, load_config
 from latentforge.data.encode import EncodeConfig, encode_dataset
 from latentforge.train.finetune import build_finetune_model, open_base
 from latentforge.train.run import TRAIN_CONFIG, RunConfig, train
-from latentforge.train.trainer import Trainer
 from test_finetune import _one_error_line, make_tiny_pipeline
 from test_trainer import Killed, assert_same_tensors, checkpoint_steps, kill_before_step, load_step, metrics
+from sample_cli import sample_cli
 from tiny_models import make_raw_dataset, make_tiny_bert, make_tiny_vae
 
 RES = 32  # pixels; the tiny VAE halves it: 16x16x4 latents
@@ -99,15 +98,6 @@ def resumes_exactly(assets, tmp_path: Path, monkeypatch, *overrides: str) -> Pat
     return straight
 
 
-def _sample_cli(run: Path, out: Path, seed: int, steps: int, cfg: float) -> np.ndarray:
-    args = ["sample", "--checkpoint", str(run), "--out", str(out), "--cfg", str(cfg), "--steps", str(steps),
-            "--seed", str(seed)]
-    for p in PROMPTS:
-        args += ["--prompt", p]
-    assert main(args) == 0
-    return np.stack([np.asarray(Image.open(out / f"{i:04d}.png").convert("RGB")) for i in range(len(PROMPTS))]) / 255.0
-
-
 def load_export(out: Path) -> tuple[PixArtAlphaPipeline, dict]:
     pipe = DiffusionPipeline.from_pretrained(str(out), local_files_only=True)
     assert isinstance(pipe, PixArtAlphaPipeline)
@@ -154,26 +144,13 @@ def test_full_finetune_starts_at_the_base_resumes_exactly_and_exports(assets, tm
     pipe, call = load_export(out)
     images = pipe(PROMPTS, num_inference_steps=3, guidance_scale=3.0, height=RES, width=RES,
                   generator=torch.Generator("cpu").manual_seed(7), output_type="np", **call).images
-    ours = _sample_cli(straight, tmp_path / "samples", seed=7, steps=3, cfg=3.0)
+    ours = sample_cli(straight, tmp_path / "samples", PROMPTS, seed=7, steps=3, cfg=3.0)
     assert images.shape == ours.shape == (len(PROMPTS), RES, RES, 3)
     assert np.abs(images - ours).max() <= TOL
     assert np.abs(ours[0] - ours[1]).max() > 10 * TOL  # the prompts matter
 
 
 # ------------------------------------------------------------------ LoRA
-
-
-@pytest.fixture
-def trainers(monkeypatch) -> list[Trainer]:
-    seen: list[Trainer] = []
-    fit = Trainer.fit
-
-    def keep(self, resume_from=None):
-        seen.append(self)
-        return fit(self, resume_from)
-
-    monkeypatch.setattr(Trainer, "fit", keep)
-    return seen
 
 
 def merged_by_hand(assets, adapters: dict[str, torch.Tensor]) -> PixArtTransformer2DModel:
@@ -221,7 +198,7 @@ def test_lora_trains_only_the_adapters_resumes_exactly_and_exports_merged(assets
     assert float((merged - transformer_out(reference.eval())).abs().max()) > 1e-4  # and the adapters matter
     images = pipe(PROMPTS, num_inference_steps=2, guidance_scale=3.0, height=RES, width=RES,
                   generator=torch.Generator("cpu").manual_seed(3), output_type="np", **call).images
-    assert np.abs(images - _sample_cli(run, tmp_path / "samples", seed=3, steps=2, cfg=3.0)).max() <= TOL
+    assert np.abs(images - sample_cli(run, tmp_path / "samples", PROMPTS, seed=3, steps=2, cfg=3.0)).max() <= TOL
 
 
 def test_a_transformer_lora_file_is_refused_in_one_line(assets, tmp_path, capsys):

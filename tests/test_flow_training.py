@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
@@ -29,6 +28,7 @@ from latent_fixtures import latent_data  # noqa: F401  (session fixture)
 from test_learning import UNET
 from test_learning import held_out_loss as learning_held_out_loss
 from test_learning import run_config as learning_run_config
+from sample_cli import sample_cli
 from tiny_models import make_raw_dataset, make_tiny_bert, make_tiny_vae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -182,13 +182,7 @@ def test_exported_flow_pipeline_reproduces_sample(flow_run, tmp_path, scheduler,
         return pipe(PROMPTS, num_inference_steps=SAMPLE_STEPS, guidance_scale=CFG, height=RES, width=RES,
                     generator=torch.Generator("cpu").manual_seed(11), output_type=output_type).images
 
-    samples = tmp_path / "samples"
-    args = ["sample", "--checkpoint", str(flow_run), "--out", str(samples), "--cfg", str(CFG), "--steps",
-            str(SAMPLE_STEPS), "--sampler", scheduler, "--seed", "11"]
-    assert main(args + [a for p in PROMPTS for a in ("--prompt", p)]) == 0
-    from PIL import Image
-
-    ours = np.stack([np.asarray(Image.open(samples / f"{i:04d}.png").convert("RGB")) for i in range(2)]) / 255.0
+    ours = sample_cli(flow_run, tmp_path / "samples", PROMPTS, 11, SAMPLE_STEPS, CFG, "--sampler", scheduler)
     assert _max_diff(theirs("np"), ours) <= TOL
     assert _max_diff(ours[0], ours[1]) > 10 * TOL  # the prompts matter
     c = load_components(flow_run)
