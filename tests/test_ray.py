@@ -369,3 +369,52 @@ def test_a_signal_to_the_driver_stops_the_workers_with_a_checkpoint(latent_data,
     assert out.getvalue().strip().splitlines()[-1].startswith(f"train: interrupted by SIGTERM: saved step {last.step}")
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, last.step + 1))
     assert not (run_dir / STOP_FILE).exists()
+
+
+@pytest.mark.slow  # Ray Data start-up and two encodes; run with -m slow
+def test_a_signal_stops_encode_on_ray_between_batches_and_the_rerun_finishes_it(latent_data, tmp_path,
+                                                                                ray_instance, monkeypatch):
+    """SIGTERM to ``encode --ray`` right after its first shard is written: the command exits 75 and
+    says so, the first shard is kept and its successor (in progress) is not; the rerun encodes only
+    the rest and gives the summary and shard list of an uninterrupted local encode."""
+    import signal
+
+    from latentforge.distributed import ray_data
+    from latentforge.interrupt import EXIT_INTERRUPTED
+
+    raw = make_raw_dataset(tmp_path / "raw", n=48, resolution=16, num_shards=8, seed=3)
+    cfg = EncodeConfig(vae=str(latent_data["vae"]), text_encoder=str(latent_data["bert"]), max_length=TEXT_LEN,
+                       batch_size=3, device="cpu")
+    expected = encode_dataset(str(raw), str(tmp_path / "local"), cfg, progress=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"encode": to_dict(cfg)}))
+    out_dir = tmp_path / "ray"
+    argv = ["encode", str(raw), "--out", str(out_dir), "--recipe", str(recipe), "--ray", "--quiet"]
+    closed: list[str] = []
+    real_close = ray_data._ShardSink.close
+
+    def close_then_signal(self):
+        record = real_close(self)
+        closed.append(self.name)
+        if len(closed) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded by the handler; the loop stops after this batch
+        return record
+
+    monkeypatch.setattr(ray_data._ShardSink, "close", close_then_signal)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(argv)
+    assert code == EXIT_INTERRUPTED, out.getvalue()
+    assert out.getvalue().strip().splitlines()[-1].startswith("encode: interrupted by SIGTERM: the finished shards")
+    names = [s.name for s in read_index(str(raw)).shards]
+    # The batch that finished the first shard may also hold whole later shards: they are kept too.
+    assert 1 <= len(closed) < len(names) and closed == names[:len(closed)] and not (out_dir / INDEX).exists()
+    assert all((out_dir / n).exists() for n in closed) and not (out_dir / names[len(closed)]).exists()
+    kept = {n: (out_dir / n).stat().st_mtime_ns for n in closed}
+
+    monkeypatch.setattr(ray_data._ShardSink, "close", real_close)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli_main(argv) == 0
+    assert json.loads((out_dir / "summary.json").read_text()) == expected
+    assert [s.name for s in read_index(str(out_dir)).shards] == names
+    assert {n: (out_dir / n).stat().st_mtime_ns for n in closed} == kept

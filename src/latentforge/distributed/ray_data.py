@@ -52,6 +52,7 @@ from latentforge.data.loader import LoaderConfig, TrainLoader, build_loader
 from latentforge.data.schema import INDEX, DatasetIndex, ShardWriter, read_index, read_shard, write_shard
 from latentforge.distributed.ray_cluster import RayConfig, ray_session
 from latentforge.errors import UserError
+from latentforge.interrupt import StopOnSignal
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,9 @@ class _ShardSink:
 def encode_on_ray(raw_dir: str, out_dir: str, cfg: EncodeConfig, ray_cfg: RayConfig, num_actors: int = 1,
                   progress: bool = True) -> dict:
     """:func:`~latentforge.data.encode.encode_dataset` as a Ray Data pipeline with ``num_actors``
-    encoder actors (see the module docstring). Returns the same summary."""
+    encoder actors (see the module docstring). Returns the same summary; stopped by a signal as
+    ``encode`` is (between two batches: the finished shards kept, the shard in progress encoded
+    again by the rerun) it returns ``{"interrupted": signal name}``."""
     if num_actors < 1:
         raise UserError(f"--num-actors: must be >= 1, got {num_actors}")
     ray_cfg.validate()
@@ -211,6 +214,7 @@ def encode_on_ray(raw_dir: str, out_dir: str, cfg: EncodeConfig, ray_cfg: RayCon
         if s.name not in records and s.num_samples == 0:
             records[s.name] = shard_record(job.out, s.name, 0, write_shard(job.out / s.name, [], job.columns), [])
     todo = [s for s in job.raw.shards if s.name not in records]
+    stop = StopOnSignal(cfg.interrupt, what="encode --ray")
     if todo:
         # Ray's temp dir (logs, sockets) of a local instance goes in the hidden progress directory.
         with ray_session(ray_cfg, job.out / PROGRESS, quiet=not progress) as ray:
@@ -232,7 +236,8 @@ def encode_on_ray(raw_dir: str, out_dir: str, cfg: EncodeConfig, ray_cfg: RayCon
                                num_cpus=res["num_cpus"], num_gpus=res["num_gpus"]))
             expected = {s.name: s.num_samples for s in todo}
             sink: _ShardSink | None = None
-            with tqdm(total=sum(expected.values()), unit="img", desc="encode (ray)", disable=not progress) as bar:
+            with tqdm(total=sum(expected.values()), unit="img", desc="encode (ray)", disable=not progress) as bar, \
+                    stop:  # entered after ray.init, so that the signals reach this handler, not Ray's
                 for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
                     shards = batch["shard"]
                     starts = [0] + [i for i in range(1, len(shards)) if shards[i] != shards[i - 1]] + [len(shards)]
@@ -244,8 +249,14 @@ def encode_on_ray(raw_dir: str, out_dir: str, cfg: EncodeConfig, ray_cfg: RayCon
                             sink = _ShardSink(job.out, name, job.columns, expected[name])
                         sink.add(batch, np.arange(a, b), job.enc.storage)
                         bar.update(b - a)
-                if sink is not None:
+                    if stop.requested:  # between two batches: keep the finished shards, drop the one in progress
+                        break
+                if sink is not None and (not stop.requested or sink.seen == sink.expected):
                     records[sink.name] = sink.close()
+                elif sink is not None:
+                    sink.writer.abort()  # its parquet never appears, so the rerun encodes it again
+    if stop.requested:
+        return {"interrupted": stop.signal_name}
     missing = [s.name for s in job.raw.shards if s.name not in records]
     if missing:
         raise UserError(f"{raw_dir}: the Ray encode produced no rows of shard(s) {', '.join(missing[:3])}")
