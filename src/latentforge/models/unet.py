@@ -37,13 +37,13 @@ This module knows nothing about training or parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from diffusers import UNet2DConditionModel
 
-from latentforge.errors import ConfigError, UserError
+from latentforge.errors import ConfigError
+from latentforge.models.pretrained import load_pretrained
 
 __all__ = [
     "PRESETS",
@@ -245,19 +245,5 @@ def unet_num_params(cfg: UNetConfig) -> int:
 
 def load_unet(path_or_id: str, subfolder: str | None = None) -> UNet2DConditionModel:
     """A U-Net saved by ``save_pretrained`` (a directory or a hub id); safetensors weights only."""
-    local = Path(path_or_id).expanduser()
-    if not local.exists() and (local.is_absolute() or path_or_id.startswith((".", "~"))):
-        raise UserError(f"load_unet {path_or_id}: no such directory")
-    try:
-        # accelerate is not a dependency; without it diffusers loads this way anyway (and warns).
-        return UNet2DConditionModel.from_pretrained(
-            str(local) if local.exists() else path_or_id,
-            subfolder=subfolder,
-            use_safetensors=True,
-            low_cpu_mem_usage=False,
-        )
-    except (OSError, ValueError) as e:
-        where = f"{path_or_id}/{subfolder}" if subfolder else path_or_id
-        raise UserError(
-            f"load_unet {where}: cannot load a diffusers U-Net with safetensors weights there ({e})"
-        ) from e
+    where = f"{path_or_id}/{subfolder}" if subfolder else path_or_id
+    return load_pretrained(UNet2DConditionModel, path_or_id, subfolder, label=f"load_unet {where}")

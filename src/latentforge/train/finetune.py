@@ -37,6 +37,7 @@ import torch
 from latentforge.diffusion.schedule import NoiseScheduleConfig
 from latentforge.errors import ConfigError, Problems, UserError
 from latentforge.models.denoiser import BACKBONES, Denoiser, denoiser_from_config
+from latentforge.models.pretrained import load_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -316,14 +317,8 @@ def build_finetune_model(base: BasePipeline, lora: LoRAConfig | None,
 
 def _load_base_model(base: BasePipeline) -> torch.nn.Module:
     """The base pipeline's denoiser with its weights (safetensors only)."""
-    folder = base.denoiser.pipeline_component
-    try:
-        # accelerate is not a dependency; without it diffusers loads this way anyway (and warns).
-        return base.denoiser.model_class().from_pretrained(str(base.path), subfolder=folder, use_safetensors=True,
-                                                           low_cpu_mem_usage=False)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{base.model_dir}: cannot load a diffusers {base.denoiser.model_class_name} with "
-                        f"safetensors weights there ({e})") from e
+    return load_pretrained(base.denoiser.model_class(), str(base.path), base.denoiser.pipeline_component,
+                           label=str(base.model_dir))
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,36 @@
+"""Loading a diffusers model that ``save_pretrained`` wrote: safetensors weights only.
+
+One loader for every denoiser class (the U-Net, the transformer) and every caller (``load_unet``,
+fine-tuning's base pipeline): a local directory or a hub id, never a pickled ``.bin``; what goes
+wrong is one line naming the place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from latentforge.errors import UserError
+
+__all__ = ["load_pretrained"]
+
+
+def load_pretrained(model_class: type, path_or_id: str, subfolder: str | None = None,
+                    label: str | None = None) -> torch.nn.Module:
+    """``model_class.from_pretrained(path_or_id, subfolder)`` with safetensors weights only.
+
+    ``label`` prefixes the error messages (default: the place); a path that looks local (absolute,
+    or starting with "." or "~") and does not exist is refused before any hub lookup."""
+    local = Path(path_or_id).expanduser()
+    where = f"{path_or_id}/{subfolder}" if subfolder else path_or_id
+    label = label or where
+    if not local.exists() and (local.is_absolute() or path_or_id.startswith((".", "~"))):
+        raise UserError(f"{label}: no such directory")
+    try:
+        # accelerate is not a dependency; without it diffusers loads this way anyway (and warns).
+        return model_class.from_pretrained(str(local) if local.exists() else path_or_id, subfolder=subfolder,
+                                           use_safetensors=True, low_cpu_mem_usage=False)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{label}: cannot load a diffusers {model_class.__name__} with safetensors weights "
+                        f"there ({e})") from e
