@@ -2,6 +2,7 @@
 diffusers-example-style loop (decode + VAE + text encoder every step), and the break-even.
 
     OMP_NUM_THREADS=1 python bench/bench_finetune_epoch.py [--num 2048] [--rounds 1] [--online] [--mask on|pipeline]
+        [--peer-data files|datasets|both]
 
 The same data and model on both sides: ``--num`` procedurally generated 64 px PNGs with captions
 (the demo's ``synth``, generated before timing), fine-tuned at 32 px; the demo's VAE shape
@@ -20,8 +21,14 @@ every side.
     resize + centre-crop + normalise (torchvision, as the example), tokenise, VAE encode and
     sample the latents, text encoder forward, noise, U-Net forward/backward, clip, AdamW
     (torch's default implementation, as the example), and diffusers' ``EMAModel`` (its default
-    per-parameter loop). Files are read with Pillow directly (the example reads them through
-    ``datasets``, which costs more), so this side is, if anything, favoured.
+    per-parameter loop). ``--peer-data`` says how it reads the images: ``files`` reads each batch's
+    PNG and .txt files with Pillow directly, leaner than the example; ``datasets`` as the example
+    does with ``--train_data_dir``: ``load_dataset("imagefolder", data_files={"train": DIR/**})``
+    into a new cache directory (a first run has none; its time is counted, as a user waits for it),
+    captions from ``metadata.jsonl`` (written, untimed, beside copies of the same PNGs: the
+    example's input format), ``with_transform`` decoding and tokenising each sample, and a
+    ``DataLoader`` with ``shuffle=True`` and the example's ``collate_fn``. ``both`` times each.
+    ``datasets`` is not a dependency of latentforge: ``pip install datasets`` (``.[bench]``).
 (c) with ``--online``: ``ingest`` then ``train --online-encode`` (one Ray encoder actor on a local
     Ray instance, its start-up included) for one epoch.
 
@@ -36,6 +43,7 @@ Prints figures; asserts nothing about time.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -45,6 +53,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -105,11 +114,61 @@ def online(recipe, images: Path, enc, tmp: Path, steps: int, tag: str) -> dict[s
     return times
 
 
-def theirs(recipe, images: Path, enc, steps: int, batch: int, seed: int) -> dict[str, float]:
-    """The diffusers text_to_image example's loop (see the module docstring)."""
+def example_folder(images: Path, out: Path) -> Path:
+    """The same PNGs as the diffusers example's ``--train_data_dir`` wants them: an image folder
+    with a ``metadata.jsonl`` of ``file_name`` and ``text`` (untimed preparation)."""
+    out.mkdir(parents=True)
+    with open(out / "metadata.jsonl", "w") as f:
+        for png in sorted(images.glob("*.png")):
+            shutil.copyfile(png, out / png.name)
+            f.write(json.dumps({"file_name": png.name, "text": png.with_suffix(".txt").read_text()}) + "\n")
+    return out
+
+
+def files_batches(images: Path, tf, tokenize, steps: int, batch: int):
+    """``--peer-data files``: each batch's PNG and caption files read directly, in a seeded order."""
+    from PIL import Image
+
+    files = sorted(images.glob("*.png"))
+    order = torch.randperm(len(files)).tolist()
+    for step in range(steps):
+        sel = [files[i] for i in order[step * batch:(step + 1) * batch]]
+        yield torch.stack([tf(Image.open(f).convert("RGB")) for f in sel]), tokenize([f.with_suffix(".txt").read_text()
+                                                                                    for f in sel])
+
+
+def datasets_batches(folder: Path, cache: Path, tf, tokenize, batch: int, seed: int):
+    """``--peer-data datasets``: the example's data path (``load_dataset`` imagefolder, a per-sample
+    ``with_transform``, a shuffling ``DataLoader`` with its ``collate_fn``)."""
+    from datasets import load_dataset
+
+    dataset = load_dataset("imagefolder", data_files={"train": str(folder / "**")}, cache_dir=str(cache))
+
+    def preprocess_train(examples):
+        examples["pixel_values"] = [tf(image.convert("RGB")) for image in examples["image"]]
+        tokens = tokenize(list(examples["text"]))
+        examples["input_ids"], examples["attention_mask"] = tokens.input_ids, tokens.attention_mask
+        return examples
+
+    def collate_fn(examples):
+        pixel_values = torch.stack([e["pixel_values"] for e in examples]).to(memory_format=torch.contiguous_format)
+        return pixel_values.float(), {"input_ids": torch.stack([e["input_ids"] for e in examples]),
+                                      "attention_mask": torch.stack([e["attention_mask"] for e in examples])}
+
+    loader = torch.utils.data.DataLoader(dataset["train"].with_transform(preprocess_train), shuffle=True,
+                                         collate_fn=collate_fn, batch_size=batch, drop_last=True,
+                                         generator=torch.Generator().manual_seed(seed))
+    for pixels, tokens in loader:
+        yield pixels, SimpleNamespace(**tokens)
+
+
+def theirs(recipe, images: Path, enc, steps: int, batch: int, seed: int, data: str = "files",
+           folder: Path | None = None, cache: Path | None = None) -> dict[str, float]:
+    """The diffusers text_to_image example's loop (see the module docstring); ``data``: how it
+    reads the images (``files``: ``images`` directly; ``datasets``: ``folder`` through the example's
+    data path, cached in ``cache``)."""
     from diffusers import AutoencoderKL, DDPMScheduler
     from diffusers.training_utils import EMAModel, compute_snr
-    from PIL import Image
     from torchvision import transforms
     from transformers import AutoModel, AutoTokenizer
 
@@ -134,19 +193,25 @@ def theirs(recipe, images: Path, enc, steps: int, batch: int, seed: int) -> dict
     # The same model as (a): with encode.attention_mask "on" the text encoder and the U-Net's
     # cross-attention see the captions' padding mask (the example's SD CLIP runs unmasked).
     masked = enc.attention_mask == "on"
-    files = sorted(images.glob("*.png"))
-    order = torch.randperm(len(files)).tolist()
-    times["load"] = time.perf_counter() - t0
+
+    def tokenize(captions):
+        return tokenizer(captions, max_length=enc.max_length, padding="max_length", truncation=True,
+                         return_tensors="pt")
+
+    if data == "datasets":
+        batches = datasets_batches(folder, cache, tf, tokenize, batch, seed)
+    else:
+        batches = files_batches(images, tf, tokenize, steps, batch)
+    times["load"] = time.perf_counter() - t0  # the models; the datasets path builds its dataset below
     t0 = time.perf_counter()
     for step in range(steps):
-        sel = [files[i] for i in order[step * batch:(step + 1) * batch]]
-        pixels = torch.stack([tf(Image.open(f).convert("RGB")) for f in sel])
-        tokens = tokenizer([f.with_suffix(".txt").read_text() for f in sel], max_length=enc.max_length,
-                           padding="max_length", truncation=True, return_tensors="pt")
+        pixels, tokens = next(batches)
+        if step == 0:
+            times["first_batch"] = time.perf_counter() - t0  # with datasets: load_dataset's build
         mask = tokens.attention_mask if masked else None
         latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
         noise = torch.randn_like(latents)
-        t = torch.randint(0, 1000, (len(sel),))
+        t = torch.randint(0, 1000, (len(pixels),))
         hidden = text_encoder(tokens.input_ids, attention_mask=mask, return_dict=False)[0]
         pred = unet(sched.add_noise(latents, noise, t), t, encoder_hidden_states=hidden,
                     encoder_attention_mask=mask).sample
@@ -170,49 +235,60 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="alternations of the sides")
     ap.add_argument("--online", action="store_true", help="also time (c), train --online-encode on Ray")
     ap.add_argument("--mask", choices=("on", "pipeline"), default="on", help="encode.attention_mask, all sides")
+    ap.add_argument("--peer-data", choices=("files", "datasets", "both"), default="both",
+                    help="how (b) reads the images: files directly, or the example's datasets path")
     args = ap.parse_args()
     recipe = load_recipe("tiny-cpu")
     batch = recipe.train.micro_batch_size
     steps = args.num // batch
+    peers = ["files", "datasets"] if args.peer_data == "both" else [args.peer_data]
+    if "datasets" in peers and importlib.util.find_spec("datasets") is None:
+        raise SystemExit("--peer-data datasets needs the datasets package: pip install datasets (or -e .[bench]), "
+                         "or run with --peer-data files")
     tmp = Path(tempfile.mkdtemp(prefix="lf-bench-epoch-", dir="/tmp"))
     try:
         generate(tmp / "synth", replace(recipe.synth, num=args.num, num_heldout=0), progress=False)
+        images = tmp / "synth" / "train"
+        folder = example_folder(images, tmp / "example-data") if "datasets" in peers else None
         build_vae(recipe.vae.model).save_pretrained(tmp / "vae")
         enc = replace(recipe.encode, vae=str(tmp / "vae"), text_encoder=builtin_text_encoder(), device="cpu",
                       attention_mask=args.mask)
         print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), OMP_NUM_THREADS="
               f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; {args.num} images, batch {batch}, {steps} steps "
-              f"= one epoch, encode batch {enc.batch_size}, attention mask {args.mask}")
-        results: dict[str, list[dict[str, float]]] = {"ours": [], "theirs": [], "online": []}
+              f"= one epoch, encode batch {enc.batch_size}, attention mask {args.mask}, peer data {'+'.join(peers)}")
+        sides = ["ours"] + [f"b-{p}" for p in peers] + (["online"] if args.online else [])
+        results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
         for r in range(args.rounds):
-            results["ours"].append(ours(recipe, tmp / "synth" / "train", enc, tmp, steps, str(r)))
-            results["theirs"].append(theirs(recipe, tmp / "synth" / "train", enc, steps, batch, r))
+            results["ours"].append(ours(recipe, images, enc, tmp, steps, str(r)))
+            for peer in peers:
+                results[f"b-{peer}"].append(theirs(recipe, images, enc, steps, batch, r, peer, folder,
+                                                   tmp / f"hf-cache-{r}"))
             if args.online:
-                results["online"].append(online(recipe, tmp / "synth" / "train", enc, tmp, steps, str(r)))
-            for side in results:
-                if results[side]:
-                    print(f"   round {r} {side:6s}: " + ", ".join(f"{k} {v:.1f} s"
-                                                                 for k, v in results[side][-1].items()))
-        med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in results.items() if rs}
-        o, t = med["ours"], med["theirs"]
+                results["online"].append(online(recipe, images, enc, tmp, steps, str(r)))
+            for side in sides:
+                print(f"   round {r} {side:10s}: " + ", ".join(f"{k} {v:.1f} s" for k, v in results[side][-1].items()))
+        med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in results.items()}
+        o = med["ours"]
         ours_epoch = o["ingest"] + o["encode"] + o["train"]
         print(f"\n(a) latentforge: ingest {o['ingest']:.1f} s + encode {o['encode']:.1f} s + train {o['train']:.1f} s "
               f"(of which the steps {o['steps']:.1f} s) = {ours_epoch:.1f} s to one epoch")
-        print(f"(b) diffusers-style loop: loading {t['load']:.1f} s + steps {t['steps']:.1f} s = {t['train']:.1f} s "
-              f"to one epoch")
         if "online" in med:
             c = med["online"]
             print(f"(c) ingest {c['ingest']:.1f} s + train --online-encode {c['train']:.1f} s "
                   f"(steps {c['steps']:.1f} s) = {c['ingest'] + c['train']:.1f} s to one epoch")
-        ahead = t["train"] - ours_epoch
-        if ahead >= 0:
-            print(f"break-even: within the first epoch (latentforge {ahead:.1f} s ahead after one)")
-        elif t["steps"] > o["steps"]:
-            epochs = 1 + -ahead / (t["steps"] - o["steps"])
-            print(f"break-even: after {epochs:.2f} epochs (latentforge is {-ahead:.1f} s behind after one, and gains "
-                  f"{t['steps'] - o['steps']:.1f} s per further epoch); ahead from epoch {math.ceil(epochs)}")
-        else:
-            print("break-even: never (the diffusers-style epoch is not slower than latentforge's training steps)")
+        for peer in peers:
+            t = med[f"b-{peer}"]
+            print(f"(b) diffusers-style loop, {peer}: loading {t['load']:.1f} s + steps {t['steps']:.1f} s "
+                  f"(first batch {t['first_batch']:.1f} s) = {t['train']:.1f} s to one epoch")
+            ahead = t["train"] - ours_epoch
+            if ahead >= 0:
+                print(f"    break-even against it: within the first epoch (latentforge {ahead:.1f} s ahead after one)")
+            elif t["steps"] > o["steps"]:
+                epochs = 1 + -ahead / (t["steps"] - o["steps"])
+                print(f"    break-even against it: after {epochs:.2f} epochs (latentforge is {-ahead:.1f} s behind "
+                      f"after one, and gains {t['steps'] - o['steps']:.1f} s per further epoch)")
+            else:
+                print("    break-even against it: never (its epoch is not slower than latentforge's training steps)")
         print(json.dumps(med))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
