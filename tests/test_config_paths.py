@@ -130,6 +130,8 @@ CASES = [
     c("train.global_batch_size", "-1", "must be >= 0"),
     c("train.log_every", "0", "must be >= 1"),
     c("train.min_snr_gamma", "-1", "must be >= 0"),
+    c("train.min_snr_floor", "1.5", "must be in [0, 1]"),
+    c("train.min_snr_floor", "0.2", "min_snr_gamma is 0", "train.min_snr_gamma=0"),
     c("train.offset_noise", "-1", "must be >= 0"),
     c("train.max_skipped_steps", "-1", "must be >= 0"),
     c("train.max_seconds", "-1", "must be >= 0"),

@@ -157,6 +157,11 @@ def test_min_snr_weights_at_known_snrs():
     reference = torch.stack([pos, 5.0 * torch.ones_like(pos)], dim=1).min(dim=1)[0]
     torch.testing.assert_close(eps[1:], reference / pos)
     torch.testing.assert_close(v[1:], reference / (pos + 1))
+    # A floor lifts the noisy side's weights under it (v at SNR 0 and 0.5: 0 and 1/3 become 0.4),
+    # not the quiet side's (SNR 100: 5/101 stays); epsilon's noisy side is 1 already.
+    torch.testing.assert_close(min_snr_weight(s, 5.0, "v_prediction", floor=0.4),
+                               torch.tensor([0.4, 0.4, 0.5, 5 / 6, 5 / 11, 5 / 101]))
+    torch.testing.assert_close(min_snr_weight(s, 5.0, "epsilon", floor=0.4), eps)
     with pytest.raises(ConfigError, match="^snr_gamma: must be positive"):
         min_snr_weight(s, 0.0, "epsilon")
     with pytest.raises(ConfigError, match="^prediction_type: unknown 'sample'"):

@@ -58,8 +58,9 @@ def ref_alphas_cumprod(schedule: str, beta_start: float, beta_end: float, zero_t
     return abar
 
 
-def ref_loss(mean, std, post_noise, noise, t, hidden, model, abar, prediction_type, gamma, scale=SCALE, shift=SHIFT):
-    """The mean over the batch of the (min-SNR weighted) per-sample MSE, in float64."""
+def ref_loss(mean, std, post_noise, noise, t, hidden, model, abar, prediction_type, gamma, scale=SCALE, shift=SHIFT,
+             floor=0.0):
+    """The mean over the batch of the (min-SNR weighted, noisy side floored) per-sample MSE, in float64."""
     x0 = mean.double()
     if post_noise is not None:
         x0 = x0 + std.double() * post_noise.double()
@@ -76,6 +77,8 @@ def ref_loss(mean, std, post_noise, noise, t, hidden, model, abar, prediction_ty
             w = torch.where(s > 0, torch.minimum(s, torch.tensor(gamma, dtype=s.dtype)) / s, torch.ones_like(s))
         else:
             w = torch.minimum(s, torch.tensor(gamma, dtype=s.dtype)) / (s + 1)
+        if floor:
+            w = torch.where(s < gamma, torch.clamp(w, min=floor), w)
         per_sample = per_sample * w
     return per_sample.mean(), x_t
 
@@ -174,6 +177,21 @@ def test_loss_on_equals_the_papers(fixed_batch, schedule, prediction_type, gamma
     torch.testing.assert_close(probe.seen["hidden"], fixed_batch["text_hidden"].float())
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss.double(), expected, rtol=2e-5, atol=1e-7)
+
+
+def test_a_min_snr_floor_lifts_the_noisy_samples_weight_in_the_loss(fixed_batch):
+    """min_snr_floor 0.3 with v-prediction: the loss is the reference's with the noisy side's
+    weights raised to 0.3 (the batch holds t = T-1, weighted about 0.005 without the floor)."""
+    noise_cfg = NoiseScheduleConfig(prediction_type="v_prediction")
+    probe = Probe()
+    plain = make_trainer(probe, noise_cfg, min_snr_gamma=5.0).loss_on(fixed_batch)
+    loss = make_trainer(probe, noise_cfg, min_snr_gamma=5.0, min_snr_floor=0.3).loss_on(fixed_batch)
+    t, noise, post = sample_noise(11, fixed_batch["_position"], SHAPE, T, 0.0, True)
+    abar = ref_alphas_cumprod(noise_cfg.beta_schedule, noise_cfg.beta_start, noise_cfg.beta_end, False)
+    expected, _ = ref_loss(fixed_batch["latent_mean"], fixed_batch["latent_std"], post, noise, t,
+                           fixed_batch["text_hidden"], probe_function, abar, "v_prediction", 5.0, floor=0.3)
+    torch.testing.assert_close(loss.double(), expected, rtol=2e-5, atol=1e-7)
+    assert not torch.isclose(loss, plain, rtol=1e-3)
 
 
 def test_zero_terminal_snr_reference_ends_at_pure_noise():

@@ -401,6 +401,7 @@ def _options(recipe: Any, enc_cfg: Any) -> dict[str, Any]:
         t.model: {k: v for k, v in vars(getattr(t, t.model)).items() if v is not None},
         "prediction_type": t.noise.prediction_type,
         "min_snr_gamma": t.min_snr_gamma,
+        **({"min_snr_floor": t.min_snr_floor} if t.min_snr_floor else {}),
         "caption_dropout": recipe.loader.caption_dropout,
         "batch": t.global_batch_size or t.micro_batch_size,
         "lr": t.optim.lr,

@@ -77,16 +77,24 @@ def offset_noise(noise: torch.Tensor, strength: float, generator: torch.Generato
     return noise + strength * offset
 
 
-def min_snr_weight(snr: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
-    """Min-SNR-gamma loss weight: min(SNR, gamma)/SNR for eps, min(SNR, gamma)/(SNR+1) for v (Hang et al. 2023, arXiv:2303.09556)."""
+def min_snr_weight(snr: torch.Tensor, gamma: float, prediction_type: str, floor: float = 0.0) -> torch.Tensor:
+    """Min-SNR-gamma loss weight: min(SNR, gamma)/SNR for eps, min(SNR, gamma)/(SNR+1) for v (Hang et al. 2023, arXiv:2303.09556).
+
+    ``floor`` > 0 raises the weights of the noisy timesteps (SNR < gamma) to at least ``floor``:
+    for v-prediction the weight falls to SNR/(SNR+1), about 0, at the high-noise timesteps, where
+    the layout of the image is decided, and a floor keeps a share of the loss there; the quiet
+    side (SNR >= gamma) keeps the paper's gamma/(SNR+1). Epsilon weights are 1 at SNR < gamma, so
+    a floor changes nothing there. 0 = the paper's weighting."""
     _check_prediction_type(prediction_type)
     if gamma <= 0:
         raise ConfigError(f"snr_gamma: must be positive (5 is the paper's default), got {gamma}")
     if prediction_type == "epsilon":
         # Written as min(gamma/SNR, 1), which is the same for SNR > 0 and gives the limit 1 at SNR = 0
         # (the last step of a zero-terminal-SNR schedule) instead of 0/0.
-        return torch.clamp(gamma / snr, max=1.0)
-    return torch.clamp(snr, max=gamma) / (snr + 1.0)
+        weight = torch.clamp(gamma / snr, max=1.0)
+    else:
+        weight = torch.clamp(snr, max=gamma) / (snr + 1.0)
+    return torch.where(snr < gamma, torch.clamp(weight, min=floor), weight) if floor > 0 else weight
 
 
 def sample_timesteps(

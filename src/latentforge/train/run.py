@@ -254,7 +254,8 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
 
     before = to_dict(load_config(RunConfig, old).train)
     now = to_dict(cfg.train)
-    for key in ("model", "unet", "dit", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma", "init_from", "lora"):
+    for key in ("model", "unet", "dit", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma",
+                "min_snr_floor", "init_from", "lora"):
         b, n = before.get(key), now.get(key)
         if key in ("unet", "dit"):  # data-filled fields were None in the user's config
             n = {k: (v if v is not None else b.get(k)) for k, v in n.items()}

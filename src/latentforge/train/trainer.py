@@ -174,6 +174,9 @@ class TrainConfig:
     masking: MaskingConfig = field(default_factory=MaskingConfig, metadata={
         "help": "patch masking of the transformer's training steps (MaskDiT, MicroDiT); off by default"})
     min_snr_gamma: float = field(default=0.0, metadata={"help": "min-SNR-gamma loss weighting; 0 = off (5 is usual)"})
+    min_snr_floor: float = field(default=0.0, metadata={
+        "help": "the least min-SNR loss weight of the noisy timesteps (SNR < min_snr_gamma): v-prediction "
+                "weighs the noisiest ones, which place the shapes, about 0; 0 = the paper's weighting"})
     offset_noise: float = field(default=0.0, metadata={"help": "offset-noise strength; 0 = off (0.05-0.1 is usual)"})
     sample_posterior: bool = field(default=True, metadata={
         "help": "latents = mean + std * N(0, 1) of the VAE posterior (SD); false = the mean"})
@@ -229,6 +232,11 @@ class TrainConfig:
             problems.add(f"log_every: must be >= 1, got {self.log_every}; steps between log lines, e.g. 20")
         if self.min_snr_gamma < 0:
             problems.add(f"min_snr_gamma: must be >= 0, got {self.min_snr_gamma}; 0 = off, 5 is usual")
+        if not 0 <= self.min_snr_floor <= 1:
+            problems.add(f"min_snr_floor: must be in [0, 1], got {self.min_snr_floor}; 0 = plain min-SNR")
+        elif self.min_snr_floor and not self.min_snr_gamma:
+            problems.add(f"min_snr_floor: {self.min_snr_floor} raises min-SNR weights, but min_snr_gamma is 0 "
+                         "(off): set min_snr_gamma (e.g. 5) or min_snr_floor: 0")
         if self.offset_noise < 0:
             problems.add(f"offset_noise: must be >= 0, got {self.offset_noise}; 0 = off, 0.05-0.1 is usual")
         if self.max_skipped_steps < 0:
@@ -590,7 +598,8 @@ class Trainer:
                 pred = self.denoiser.forward(self.train_model, x_t, t, hidden, mask)
         weights = None
         if cfg.min_snr_gamma:
-            weights = min_snr_weight(snr(self.alphas_cumprod, t), cfg.min_snr_gamma, cfg.noise.prediction_type)
+            weights = min_snr_weight(snr(self.alphas_cumprod, t), cfg.min_snr_gamma, cfg.noise.prediction_type,
+                                     cfg.min_snr_floor)
         return diffusion_loss(pred, target, weights)
 
     def masking_ratio(self) -> float:
