@@ -23,6 +23,7 @@ from diffusers import DiffusionPipeline, PixArtAlphaPipeline, PixArtTransformer2
 from latentforge.cli import main
 from latentforge.config import from_dict, load_config
 from latentforge.data.encode import EncodeConfig, encode_dataset
+from latentforge.data.schema import read_index
 from latentforge.train.finetune import build_finetune_model, open_base
 from latentforge.train.run import TRAIN_CONFIG, RunConfig, train
 from test_finetune import _one_error_line, make_tiny_pipeline
@@ -63,7 +64,9 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     assert main(["export", "--checkpoint", str(root / "scratch-run"), "--out", str(base)]) == 0
     latents = root / "latents"
     assert main(["encode", str(raw), "--from", str(base), "--out", str(latents), "--quiet", "encode.device=cpu",
-                 "encode.batch_size=8", "encode.max_length=null"]) == 0  # the exported tokenizer's: the run's 12
+                 "encode.batch_size=8"]) == 0
+    # No encode.max_length given: the exported tokenizer's, the length the run trained at (not SD's 77).
+    assert read_index(str(latents)).meta["text_encoder"]["max_length"] == MAX_LEN
     return {"raw": raw, "base": base, "latents": latents, "cache": root / "cache", "root": root}
 
 
@@ -117,6 +120,22 @@ def transformer_out(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ full fine-tuning
+
+
+
+@pytest.mark.parametrize("where", ["override", "recipe"])
+def test_a_caption_length_the_user_sets_wins_over_the_pipelines(assets, tmp_path, where):
+    """``encode --from`` takes the pipeline tokenizer's length (the fixture: 12) only when neither an
+    override nor the recipe file sets ``encode.max_length``."""
+    args = ["encode", str(assets["raw"]), "--from", str(assets["base"]), "--out", str(tmp_path / "lat"), "--quiet",
+            "encode.device=cpu", "encode.batch_size=8"]
+    if where == "override":
+        args.append("encode.max_length=8")
+    else:
+        (tmp_path / "r.yaml").write_text("encode:\n  max_length: 8\n")
+        args += ["--recipe", str(tmp_path / "r.yaml")]
+    assert main(args) == 0
+    assert read_index(str(tmp_path / "lat")).meta["text_encoder"]["max_length"] == 8
 
 
 def test_full_finetune_starts_at_the_base_resumes_exactly_and_exports(assets, tmp_path, monkeypatch):

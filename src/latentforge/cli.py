@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import sys
+from pathlib import Path
 from typing import Callable
 
 from latentforge import __version__
@@ -55,9 +56,34 @@ def cmd_ingest(ns, overrides):
           f"rejected {summary['num_rejected']} ({rej}); {summary.get('img_per_s')} img/s -> {ns.out}")
 
 
+def _pipeline_caption_length(base: str) -> int | None:
+    """The caption length a diffusers pipeline directory's tokenizer declares (``model_max_length``
+    in ``tokenizer/tokenizer_config.json``: 77 for SD's CLIP, the trained length for a latentforge
+    export), or None when it declares none."""
+    try:
+        n = json.loads((Path(base) / "tokenizer" / "tokenizer_config.json").read_text()).get("model_max_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(n) if isinstance(n, (int, float)) and 0 < n < 1e29 else None  # ~1e30: "no limit"
+
+
+def _recipe_sets(ns: argparse.Namespace, overrides: list[str], key: str) -> bool:
+    """Does the user set ``section.field`` ``key``, on the command line or in the recipe file?"""
+    from latentforge.config import load_yaml
+    from latentforge.recipe import resolve_recipe_path
+
+    section, name = key.split(".")
+    if any(o.startswith((f"{key}=", f"{section}=")) for o in overrides):
+        return True
+    return bool(ns.recipe) and name in (load_yaml(resolve_recipe_path(ns.recipe)).get(section) or {})
+
+
 def cmd_encode(ns, overrides):
     from latentforge.data.encode import encode_dataset
 
+    if ns.base and not _recipe_sets(ns, overrides, "encode.max_length"):
+        # The pipeline's own caption length, unless the user sets one (encode.max_length defaults to SD's 77).
+        overrides = [f"encode.max_length={n}" for n in [_pipeline_caption_length(ns.base)] if n] + overrides
     if ns.base and (ns.vae or ns.text_encoder):
         raise UserError("encode: --from takes the VAE and text encoder from the pipeline; drop --vae/--text-encoder")
     # A pipeline directory holds vae/, text_encoder/ and tokenizer/: both loaders find their subfolder.
