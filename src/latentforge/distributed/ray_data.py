@@ -255,7 +255,7 @@ def encode_on_ray(raw_dir: str, out_dir: str, cfg: EncodeConfig, ray_cfg: RayCon
                     records[sink.name] = sink.close()
                 elif sink is not None:
                     sink.writer.abort()  # its parquet never appears, so the rerun encodes it again
-    if stop.requested:
+    if stop.requested and any(s.name not in records for s in job.raw.shards):  # else only the index is left
         return {"interrupted": stop.signal_name}
     missing = [s.name for s in job.raw.shards if s.name not in records]
     if missing:
