@@ -245,6 +245,8 @@ def main() -> None:
     if "datasets" in peers and importlib.util.find_spec("datasets") is None:
         raise SystemExit("--peer-data datasets needs the datasets package: pip install datasets (or -e .[bench]), "
                          "or run with --peer-data files")
+    if "datasets" in peers:
+        import datasets  # noqa: F401  (imported before timing, as every module of the other sides is)
     tmp = Path(tempfile.mkdtemp(prefix="lf-bench-epoch-", dir="/tmp"))
     try:
         generate(tmp / "synth", replace(recipe.synth, num=args.num, num_heldout=0), progress=False)
