@@ -1,14 +1,18 @@
 """The demo's judge at the recipe's settings: its validation on fresh renders and its agreement
 with the labels assigned by eye in tests/fixtures/judge/.
 
-    python bench/bench_judge.py [--vae runs/demo/vae] [--work /tmp/judge-bench] [demo.judge.KEY=VALUE ...]
+    python bench/bench_judge.py [--vae runs/demo/vae] [--work /tmp/judge-bench] [--flip-table] [demo.judge.KEY=VALUE ...]
 
 Trains the judge exactly as ``latentforge demo`` does (recipe tiny-cpu: its ``synth`` data and
 ``demo.judge``, with the given overrides), validates it as the demo does (``validate_judge`` on
 fresh renders of another seed: clean, blurred, down/up-sampled, through ``--vae`` if given, and
 fresh non-shapes per kind) and prints its agreement with the fixture per attribute, for the
 images of the weak model (000-065), of the stronger one (066-125) and for all, then every
-disagreement. Prints figures; the training seconds depend on the machine's load.
+disagreement. ``--flip-table``: also the shape verdicts at floors 0.5-0.9 with one view, and
+with a horizontally flipped second view (all six shapes are symmetric about the vertical axis)
+whose probabilities are averaged (``mean``) or whose lower probability of the chosen class counts
+(``min``): per row the real renders' shape accuracy per condition, the fresh non-shapes rejected
+and the fixture's shape agreement. Prints figures; the training seconds depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vae", default="", help="a trained VAE directory (the demo's OUT/vae) for the ceiling row")
     ap.add_argument("--work", default="/tmp/latentforge-bench-judge", help="where the renders are written")
+    ap.add_argument("--flip-table", action="store_true", help="also the floor x flipped-view table of shape verdicts")
     ap.add_argument("overrides", nargs="*", help="demo.judge.KEY=VALUE")
     args = ap.parse_args()
     recipe = load_recipe("tiny-cpu", args.overrides)
@@ -73,6 +78,51 @@ def main() -> None:
         for a in ATTRIBUTES:
             if r[a] is not None and found[a][i] != r[a]:
                 print(f"    {r['file']} {a}: judge {found[a][i]!r}, by eye {r[a]!r}")
+    if args.flip_table:
+        fixture = [Image.open(FIXTURE / r["file"]) for r in rows]
+        flip_table(judge, work / "synth-check", size, cfg, autoencode, fixture, [r["shape"] for r in rows])
+
+
+@torch.no_grad()
+def flip_table(judge, check_dir: Path, size: int, cfg, autoencode, fixture: list, fixture_shapes: list) -> None:
+    """The shape verdicts with one view and with a flipped second view, at floors 0.5-0.9 (see the docstring)."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from latentforge.evaluate.judge import NONE, blur, down_up, load_labelled, to_tensor
+    from latentforge.evaluate.nonshapes import nonshape_set
+
+    judge.eval()
+    x, labels, info = load_labelled(check_dir, size)
+    sets = {"clean": x, "blur": blur(x, 1.0), "down_up": down_up(x, 2)}
+    if autoencode is not None:
+        sets["vae"] = torch.cat([autoencode(x[i:i + 64]) for i in range(0, len(x), 64)]).clamp(-1, 1)
+    non = nonshape_set(max(60, cfg.num_nonshapes // 5), cfg.seed + 7919, int(info["config"]["image_size"]))
+    is_non = [n.shape == NONE for n in non]
+    sets["nonshapes"], sets["fixture"] = to_tensor([n.image for n in non], size), to_tensor(fixture, size)
+    views = {k: (F.softmax(judge(v)["shape"], 1), F.softmax(judge(torch.flip(v, dims=[3]))["shape"], 1))
+             for k, v in sets.items()}
+    names = judge.classes["shape"]
+
+    def verdict(p0: torch.Tensor, p1: torch.Tensor, mode: str, floor: float) -> list[str]:
+        k = (p0 if mode == "one view" else p0 + p1).argmax(1)
+        q = p0.gather(1, k[:, None])[:, 0]
+        if mode == "flip, mean":
+            q = (q + p1.gather(1, k[:, None])[:, 0]) / 2
+        elif mode == "flip, min":
+            q = torch.minimum(q, p1.gather(1, k[:, None])[:, 0])
+        return [names[j] if v >= floor else NONE for v, j in zip(q.tolist(), k.tolist())]
+
+    print("\n| verdict | floor | " + " | ".join(k for k in sets if k not in ("nonshapes", "fixture"))
+          + " | fresh non-shapes rejected | fixture shapes |")
+    for mode in ("one view", "flip, mean", "flip, min"):
+        for floor in (0.5, 0.6, 0.7, 0.8, 0.9):
+            real = [np.mean([a == b for a, b in zip(verdict(*views[k], mode, floor), labels["shape"]) if b is not None])
+                    for k in sets if k not in ("nonshapes", "fixture")]
+            rejected = np.mean([v == NONE for v, m in zip(verdict(*views["nonshapes"], mode, floor), is_non) if m])
+            agree = sum(v == w for v, w in zip(verdict(*views["fixture"], mode, floor), fixture_shapes) if w is not None)
+            print(f"| {mode} | {floor} | " + " | ".join(f"{r:.1%}" for r in real)
+                  + f" | {rejected:.1%} of {sum(is_non)} | {agree}/{sum(w is not None for w in fixture_shapes)} |")
 
 
 if __name__ == "__main__":
