@@ -119,8 +119,7 @@ def transformer_out(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
                      added_cond_kwargs={"resolution": None, "aspect_ratio": None}, return_dict=False)[0]
 
 
-# ------------------------------------------------------------------ full fine-tuning
-
+# ------------------------------------------------------------------ encoding from the pipeline
 
 
 @pytest.mark.parametrize("where", ["override", "recipe"])
@@ -136,6 +135,9 @@ def test_a_caption_length_the_user_sets_wins_over_the_pipelines(assets, tmp_path
         args += ["--recipe", str(tmp_path / "r.yaml")]
     assert main(args) == 0
     assert read_index(str(tmp_path / "lat")).meta["text_encoder"]["max_length"] == 8
+
+
+# ------------------------------------------------------------------ full fine-tuning
 
 
 def test_full_finetune_starts_at_the_base_resumes_exactly_and_exports(assets, tmp_path, monkeypatch):
