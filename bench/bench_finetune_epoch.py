@@ -9,9 +9,10 @@ The same data and model on both sides: ``--num`` procedurally generated 64 px PN
 (untrained: the cost does not depend on the weights), the built-in MiniLM-L6 text encoder (24
 tokens), the demo's U-Net (4.6M parameters), its micro batch (32), v-prediction with min-SNR 5,
 AdamW at lr 1e-3, EMA 0.995, fp32, one torch thread (set OMP_NUM_THREADS=1). ``--mask``: the
-encode's ``attention_mask`` (on: the text encoder and the U-Net's cross-attention see the
-captions' padding mask, the demo's setting; pipeline: neither does, as SD 1.x/2.x's CLIP), used on
-every side.
+encode's ``attention_mask`` (on: the text encoder sees the captions' padding mask, the demo's
+setting; pipeline: it does not, as SD 1.x/2.x's CLIP), used on every side; the U-Net's
+cross-attention sees the mask on the diffusers side only if latentforge's U-Net trains with it
+(it does not: ``UNetDenoiser.uses_text_mask``).
 
 (a) latentforge, in this process as the three commands would run it: ``ingest`` (one worker
     process) of the image folder, ``encode`` (loads the encoders), ``train`` for one epoch
@@ -172,6 +173,7 @@ def theirs(recipe, images: Path, enc, steps: int, batch: int, seed: int, data: s
     from torchvision import transforms
     from transformers import AutoModel, AutoTokenizer
 
+    from latentforge.models.denoiser import UNetDenoiser
     from latentforge.models.unet import build_unet
 
     times = {}
@@ -190,9 +192,11 @@ def theirs(recipe, images: Path, enc, steps: int, batch: int, seed: int, data: s
     res = recipe.ingest.image.resolution
     tf = transforms.Compose([transforms.Resize(res, interpolation=transforms.InterpolationMode.BILINEAR),
                              transforms.CenterCrop(res), transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
-    # The same model as (a): with encode.attention_mask "on" the text encoder and the U-Net's
-    # cross-attention see the captions' padding mask (the example's SD CLIP runs unmasked).
+    # The same model as (a): with encode.attention_mask "on" the text encoder sees the captions'
+    # padding mask (the example's SD CLIP runs unmasked); the U-Net's cross-attention sees it only
+    # if latentforge's U-Net trains with it (UNetDenoiser.uses_text_mask: it does not, as SD's).
     masked = enc.attention_mask == "on"
+    unet_masked = masked and UNetDenoiser.uses_text_mask
 
     def tokenize(captions):
         return tokenizer(captions, max_length=enc.max_length, padding="max_length", truncation=True,
@@ -214,7 +218,7 @@ def theirs(recipe, images: Path, enc, steps: int, batch: int, seed: int, data: s
         t = torch.randint(0, 1000, (len(pixels),))
         hidden = text_encoder(tokens.input_ids, attention_mask=mask, return_dict=False)[0]
         pred = unet(sched.add_noise(latents, noise, t), t, encoder_hidden_states=hidden,
-                    encoder_attention_mask=mask).sample
+                    encoder_attention_mask=mask if unet_masked else None).sample
         target = sched.get_velocity(latents, noise, t)
         snr = compute_snr(sched, t)
         weights = torch.stack([snr, 5.0 * torch.ones_like(t)], dim=1).min(dim=1)[0] / (snr + 1)
