@@ -114,6 +114,7 @@ CASES = [
     # encode
     c("encode.max_length", "0", "must be at least 1"),
     c("encode.batch_size", "0", "must be at least 1"),
+    c("encode.text_cache_mb", "-1", "must be >= 0"),
     c("encode.interrupt.check_every_steps", "0", "must be >= 1"),
     # loader
     c("loader.caption_dropout", "1.0", "must be in [0, 1)"),

@@ -16,7 +16,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from latentforge import storage
 from latentforge.config import from_dict, load_config
-from latentforge.data.encode import EMPTY_PROMPT, REJECTED, SUMMARY, EncodeConfig, encode_dataset
+from latentforge.data.encode import EMPTY_PROMPT, REJECTED, SUMMARY, EncodeConfig, TextCache, encode_dataset
 from latentforge.data.schema import decode_value, read_index, read_shard
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.autoencoder import AutoencoderConfig, build_vae, load_vae, vae_fingerprint
@@ -26,6 +26,9 @@ from tiny_models import make_raw_dataset, make_tiny_bert, make_tiny_clip, make_t
 
 RES = 32  # pixels; the tiny VAE downsamples 2x -> 16x16 latents
 MAX_LEN = 16  # tokens; the tiny BERT has 32 positions
+COLOURS_12 = ("red", "yellow", "green", "cyan", "blue", "purple") * 2
+SHAPES_12 = ("circle", "square", "triangle", "star", "cross", "diamond", "star", "cross", "diamond", "circle",
+             "square", "triangle")
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +315,70 @@ def test_encode_reads_raw_shards_from_s3(assets, bert_out, moto_endpoint, monkey
     encode_dataset(f"s3://{bucket}/raw", str(out), _cfg(assets), progress=False)
     for shard in read_index(str(bert_out)).shards:
         assert (out / shard.name).read_bytes() == (bert_out / shard.name).read_bytes()
+
+
+def test_a_repeated_caption_is_encoded_once_across_shards_and_after_a_resume(assets, tmp_path, monkeypatch):
+    """The text encoder sees each distinct caption once per encode (the rows written before are
+    remembered across batches and shards); a resumed encode remembers the finished shards' rows
+    and writes the same bytes; the output matches a direct encoder call."""
+    from latentforge.data import encode as encode_module
+
+    captions = [f"a {s} {c} {shape}" for s, c, shape in zip(("small", "large") * 6, COLOURS_12, SHAPES_12)]
+    raw = make_raw_dataset(tmp_path / "raw", n=30, resolution=RES, num_shards=3, captions=captions)
+    tok = AutoTokenizer.from_pretrained(assets["bert"])
+    ids = {c: tuple(t) for c, t in zip(captions, tok(captions, padding="max_length", max_length=MAX_LEN,
+                                                      truncation=True)["input_ids"])}
+    assert len(set(ids.values())) == 12
+    empty = tuple(tok([""], padding="max_length", max_length=MAX_LEN)["input_ids"][0])
+    seen: list[tuple[int, ...]] = []
+    real = encode_module.encode_tokens
+
+    def recording(model, tokens):
+        seen.extend(tuple(r) for r in tokens["input_ids"].tolist())
+        return real(model, tokens)
+
+    monkeypatch.setattr(encode_module, "encode_tokens", recording)
+    out = tmp_path / "out"
+    assert encode_dataset(str(raw), str(out), _cfg(assets), progress=False)["written"] == 30
+    assert sorted(r for r in seen if r != empty) == sorted(ids.values())  # shards of 10, batches of 8, 12 captions
+    rows = _rows(out)
+    direct, _ = _direct_text(assets["bert"], [r["caption"] for r in rows])
+    np.testing.assert_allclose(np.stack([r["text_hidden"] for r in rows]).astype(np.float32),
+                               direct.last_hidden_state.numpy(), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(np.stack([r["text_pooled"] for r in rows]).astype(np.float32),
+                               direct.pooler_output.numpy(), rtol=2e-3, atol=2e-3)
+
+    # the middle shard lost: its rows 10-19 hold captions 10, 11, 0-7, of which only 10 and 11 are new
+    before = {p.name: p.read_bytes() for p in out.glob("shard-*.parquet")}
+    (out / "shard-000001.parquet").unlink()
+    (out / ".progress" / "shard-000001.parquet.json").unlink()
+    seen.clear()
+    assert encode_dataset(str(raw), str(out), _cfg(assets), progress=False)["written"] == 30
+    assert sorted(r for r in seen if r != empty) == sorted([ids[captions[10]], ids[captions[11]]])
+    assert {p.name: p.read_bytes() for p in out.glob("shard-*.parquet")} == before
+
+    # off: each batch encodes its own distinct captions, to the same values
+    seen.clear()
+    encode_dataset(str(raw), str(tmp_path / "off"), _cfg(assets, text_cache_mb=0), progress=False)
+    assert len([r for r in seen if r != empty]) > 12
+    for a, b in zip(_rows(out), _rows(tmp_path / "off")):
+        np.testing.assert_allclose(a["text_hidden"].astype(np.float32), b["text_hidden"].astype(np.float32),
+                                   rtol=1e-3, atol=1e-3)
+
+
+def test_text_cache_keeps_what_fits_and_never_evicts():
+    row = {"text_hidden": np.zeros((4, 8), np.float16), "text_mask": np.ones(4, np.uint8)}  # 64 + 4 bytes
+    cache = TextCache(max_bytes=2 * 68 + 10)
+    view = np.arange(16, dtype=np.float16).reshape(2, 8)
+    cache.add(b"a", {**row, "text_hidden": np.repeat(view, 2, axis=0)})
+    cache.add(b"a", row)  # known: unchanged
+    assert cache.entries[b"a"]["text_hidden"][0, 1] == 1 and not cache.full
+    cache.add(b"b", row)
+    cache.add(b"c", row)  # does not fit: the cache is full, "a" and "b" stay
+    assert list(cache.entries) == [b"a", b"b"] and cache.full and cache.nbytes == 136
+    cache.add(b"d", row)
+    assert list(cache.entries) == [b"a", b"b"]
+    assert TextCache(0).full
 
 
 def test_values_that_overflow_float16_are_rejected(assets, tmp_path, monkeypatch):

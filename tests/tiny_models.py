@@ -223,10 +223,11 @@ def raw_row(i: int, image: bytes, resolution: int, caption: str) -> dict:
 
 
 def make_raw_dataset(root: str | Path, n: int, resolution: int, num_shards: int = 3, seed: int = 0,
-                     bad_images: Sequence[int] = ()) -> Path:
+                     bad_images: Sequence[int] = (), captions: Sequence[str] = ()) -> Path:
     """A raw dataset as ingest writes it: ``n`` PNGs with captions in ``num_shards`` shards.
 
     The samples at the indices in ``bad_images`` get damaged image bytes (a truncated PNG).
+    ``captions``: used in turn instead of random ones.
     """
     rng = np.random.default_rng(seed)
     rows = []
@@ -235,7 +236,8 @@ def make_raw_dataset(root: str | Path, n: int, resolution: int, num_shards: int 
         if i in bad_images:
             image = image[: len(image) // 2]
         colour, shape, size, pos = (str(rng.choice(v)) for v in (COLOURS, SHAPES, SIZES, POSITIONS))
-        rows.append(raw_row(i, image, resolution, f"a {size} {colour} {shape} in the {pos}"))
+        caption = captions[i % len(captions)] if captions else f"a {size} {colour} {shape} in the {pos}"
+        rows.append(raw_row(i, image, resolution, caption))
     root = Path(root)
     bounds = np.linspace(0, n, num_shards + 1).astype(int)
     shards = [write_shard(root / f"shard-{s:06d}.parquet", rows[bounds[s]:bounds[s + 1]], RAW_COLUMNS)

@@ -56,6 +56,7 @@ from latentforge.data.schema import (
     INDEX,
     DatasetIndex,
     ShardInfo,
+    decode_value,
     ndarray_type,
     read_index,
     read_shard,
@@ -81,6 +82,7 @@ __all__ = [
     "finish_encode",
     "EncodeJob",
     "Encoders",
+    "TextCache",
     "decode_batch",
     "build_rows",
     "shard_record",
@@ -127,6 +129,10 @@ class EncodeConfig:
                 "trained); encode --from sets pipeline"})
     storage_dtype: Literal["float16", "float32"] = field(default="float16", metadata={
         "help": "dtype of the stored latents and text embeddings (float16 halves disk and read cost)"})
+    text_cache_mb: int = field(default=256, metadata={
+        "help": "memory (MiB) for the text encoder's outputs of captions already written: a caption that "
+                "repeats one of them is not encoded again (repeated or templated captions); 0 = off. "
+                "The output is the same at any size"})
     interrupt: InterruptConfig = field(default_factory=InterruptConfig, metadata={
         "help": "on SIGINT / SIGTERM / a scheduler's warning signal: keep the finished shards, exit 75"})
 
@@ -144,6 +150,8 @@ class EncodeConfig:
                          f"got {self.max_length}")
         if self.batch_size < 1:
             problems.add(f"batch_size: must be at least 1, got {self.batch_size}; images per encoder call")
+        if self.text_cache_mb < 0:
+            problems.add(f"text_cache_mb: must be >= 0 (0 = off), got {self.text_cache_mb}")
         problems.nested("interrupt", self.interrupt)
         problems.raise_if_any()
 
@@ -246,6 +254,36 @@ def _to_storage(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:
         return t.detach().float().cpu().numpy().astype(dtype)
 
 
+def token_keys(tokens: dict[str, torch.Tensor]) -> list[bytes]:
+    """One key per row of ``tokens`` (from :func:`tokenize`): equal keys, equal encoder inputs."""
+    return [a.tobytes() + b.tobytes() for a, b in zip(tokens["input_ids"].numpy(), tokens["attention_mask"].numpy())]
+
+
+class TextCache:
+    """The text encoder's outputs of the rows an encode has written, by token sequence, up to
+    ``max_bytes``: a later caption with the same tokens reuses them instead of another forward
+    pass. What it holds depends only on the rows written before, in their order (each new
+    sequence is added while it fits; nothing is evicted), so a resumed encode rebuilds it from
+    its finished shards and writes exactly what an uninterrupted encode writes."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: dict[bytes, dict[str, np.ndarray]] = {}
+        self.nbytes = 0
+        self.full = max_bytes <= 0
+
+    def add(self, key: bytes, row: dict[str, np.ndarray]) -> None:
+        """Keep ``row`` (one sample's text arrays) for ``key`` unless it is known or does not fit."""
+        if self.full or key in self.entries:
+            return
+        size = sum(a.nbytes for a in row.values())
+        if self.nbytes + size > self.max_bytes:
+            self.full = True  # every row has the same size: nothing later fits either
+            return
+        self.entries[key] = {k: np.array(a) for k, a in row.items()}  # a copy: not a view of a whole batch
+        self.nbytes += size
+
+
 class Encoders:
     """The loaded VAE and text encoder and what the encode needs to know about them; the Ray
     encode's actors and online encoding load one each."""
@@ -279,9 +317,26 @@ class Encoders:
         from two threads at once: while an encode runs, only its reader thread calls this."""
         return tokenize(self.tokenizer, captions, self.max_length)
 
-    def token_arrays(self, tokens: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        out = encode_tokens(self.text, tokens)
-        return {k: v.cpu().numpy() if k == "text_mask" else _to_storage(v, self.storage) for k, v in out.items()}
+    def token_arrays(self, tokens: dict[str, torch.Tensor], cache: TextCache | None = None) -> dict[str, np.ndarray]:
+        """The text encoder's outputs for each row of ``tokens`` (in the storage dtype; the mask as
+        uint8), with one forward pass over the distinct token sequences of the batch that are not
+        in ``cache``: a row that repeats another reuses its output."""
+        keys = token_keys(tokens)
+        known = cache.entries if cache is not None else {}
+        first: dict[bytes, int] = {}  # the first row of each sequence to encode
+        for i, k in enumerate(keys):
+            if k not in known:
+                first.setdefault(k, i)
+        new: dict[bytes, dict[str, np.ndarray]] = {}
+        if first:
+            idx = torch.tensor(list(first.values()))
+            out = encode_tokens(self.text, {k: v[idx] for k, v in tokens.items()})
+            arrays = {k: v.cpu().numpy() if k == "text_mask" else _to_storage(v, self.storage) for k, v in out.items()}
+            if len(first) == len(keys):  # every row a new sequence: the arrays as they are
+                return arrays
+            new = {k: {name: a[j] for name, a in arrays.items()} for j, k in enumerate(first)}
+        rows = [new[k] if k in new else known[k] for k in keys]
+        return {name: np.stack([r[name] for r in rows]) for name in rows[0]}
 
     @torch.inference_mode()
     def latent_arrays(self, pixels: np.ndarray) -> dict[str, np.ndarray]:
@@ -307,11 +362,12 @@ def decode_batch(keys: Sequence[str], images: Sequence[bytes | None], resolution
 
 
 def build_rows(raw: dict[str, Sequence[Any]], good: Sequence[int], arrays: dict[str, np.ndarray], shard: str,
-               storage_dtype: np.dtype) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+               storage_dtype: np.dtype) -> tuple[list[dict[str, Any]], list[dict[str, str]], list[int]]:
     """Latent-shard rows of the good samples of a batch: ``raw`` holds the batch's key, caption,
     width and height lists, ``arrays`` the encoders' outputs for ``good`` (in that order).
-    Samples with a non-finite value are rejected instead."""
-    rows, rejected = [], []
+    Samples with a non-finite value are rejected instead. Also returns the positions in ``good``
+    of the rows kept."""
+    rows, rejected, kept = [], [], []
     for j, i in enumerate(good):
         sample = {k: v[j] for k, v in arrays.items()}
         bad = [k for k, v in sample.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
@@ -321,7 +377,8 @@ def build_rows(raw: dict[str, Sequence[Any]], good: Sequence[int], arrays: dict[
             continue
         rows.append({"key": raw["key"][i], "caption": raw["caption"][i], "width": raw["width"][i],
                      "height": raw["height"][i], **sample})
-    return rows, rejected
+        kept.append(j)
+    return rows, rejected, kept
 
 
 def shard_record(out: Path, name: str, seen: int, info: ShardInfo, rejected: list[dict[str, str]]) -> dict:
@@ -358,11 +415,13 @@ PREFETCH_BATCHES = 2
 
 def _encode_shard(raw_uri: str, out: Path, name: str, enc: Encoders, columns: dict[str, str],
                   size: tuple[int, int], batch_size: int, bar: tqdm, bucket: bool,
-                  stop: StopOnSignal | None = None, reader: ThreadPoolExecutor | None = None) -> dict:
+                  stop: StopOnSignal | None = None, reader: ThreadPoolExecutor | None = None,
+                  cache: TextCache | None = None) -> dict:
     """Encode one raw shard into ``out/name`` and write its completion record; ``bucket``: keep
     only the rows of the (width, height) ``size`` (the others belong to other buckets);
     ``reader``: a one-thread pool that decodes and tokenises the next batches during the forward
-    pass of this one (None: in this thread, in turn)."""
+    pass of this one (None: in this thread, in turn); ``cache``: the text outputs of the rows
+    written before, used and added to."""
     table = read_shard(raw_uri, columns=list(RAW_NEEDED))
     raw = {c: table.column(c).to_pylist() for c in RAW_NEEDED}
     if bucket:
@@ -382,10 +441,14 @@ def _encode_shard(raw_uri: str, out: Path, name: str, enc: Encoders, columns: di
             raise _Stopped()
         rejected += p.rejected
         if p.good:
-            arrays = {**enc.latent_arrays(p.pixels), **enc.token_arrays(p.tokens)}
-            ok, bad = build_rows(p.batch, p.good, arrays, name, enc.storage)
+            text = enc.token_arrays(p.tokens, cache)
+            ok, bad, kept = build_rows(p.batch, p.good, {**enc.latent_arrays(p.pixels), **text}, name, enc.storage)
             rows += ok
             rejected += bad
+            if cache is not None and not cache.full:
+                keys = token_keys(p.tokens)
+                for j in kept:
+                    cache.add(keys[j], {k: v[j] for k, v in text.items()})
         bar.update(len(p.batch["key"]))
     return shard_record(out, name, n, write_shard(out / name, rows, columns), rejected)
 
@@ -495,17 +558,37 @@ def _run_job(job: EncodeJob, progress: bool, stop: StopOnSignal | None = None) -
     """Encode the shards of ``job`` not finished by an earlier run, in this process."""
     records = []
     desc = f"encode {job.size[0]}x{job.size[1]}" if job.bucket else "encode"
+    cache = TextCache(job.cfg.text_cache_mb * 2**20)
     with (tqdm(total=job.raw.num_samples, unit="img", desc=desc, disable=not progress) as bar,
           ThreadPoolExecutor(1, thread_name_prefix="encode-reader") as reader):
         for shard in job.raw.shards:
             done = job.finished(shard.name)
             if done is None:
                 done = _encode_shard(storage.join(job.raw_dir, shard.name), job.out, shard.name, job.enc,
-                                     job.columns, job.size, job.cfg.batch_size, bar, job.bucket, stop, reader)
+                                     job.columns, job.size, job.cfg.batch_size, bar, job.bucket, stop, reader,
+                                     cache)
             else:
+                if not cache.full:  # as an uninterrupted encode would hold it after this shard
+                    reader.submit(_recall, job, shard.name, cache).result()
                 bar.update(done["seen"])
             records.append(done)
     return finish_encode(job, records)
+
+
+def _recall(job: EncodeJob, name: str, cache: TextCache) -> None:
+    """Add the text outputs of the finished output shard ``name`` to ``cache``, in row order (in
+    the reader thread: the tokenizer's only caller)."""
+    text = [c for c in job.columns if c.startswith("text_")]
+    table = read_shard(str(job.out / name), columns=["caption", *text])
+    captions = table.column("caption").to_pylist()
+    values = {c: table.column(c).to_pylist() for c in text}
+    step = job.cfg.batch_size
+    for start in range(0, len(captions), step):
+        keys = token_keys(job.enc.tokenize(captions[start:start + step]))
+        for j, key in enumerate(keys, start):
+            cache.add(key, {c: decode_value(values[c][j], job.columns[c]) for c in text})
+            if cache.full:
+                return
 
 
 def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool = True,

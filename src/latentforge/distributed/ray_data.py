@@ -186,7 +186,7 @@ class _ShardSink:
                                   "detail": str(batch["detail"][idx[i]])})
         good = np.flatnonzero(ok)
         arrays = {k: batch[k][idx[good]] for k in batch if k not in raw and k not in ("shard", "ok", "reason", "detail")}
-        rows, bad = build_rows(raw, good.tolist(), arrays, self.name, storage_dtype)
+        rows, bad, _ = build_rows(raw, good.tolist(), arrays, self.name, storage_dtype)
         for row in rows:
             self.writer.write(row)
         self.rejected += bad
