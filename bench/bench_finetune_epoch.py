@@ -2,7 +2,7 @@
 diffusers-example-style loop (decode + VAE + text encoder every step), and the break-even.
 
     OMP_NUM_THREADS=1 python bench/bench_finetune_epoch.py [--num 2048] [--rounds 1] [--online] [--mask on|pipeline]
-        [--peer-data files|datasets|both]
+        [--peer-data files|datasets|both] [--captions synth|distinct]
 
 The same data and model on both sides: ``--num`` procedurally generated 64 px PNGs with captions
 (the demo's ``synth``, generated before timing), fine-tuned at 32 px; the demo's VAE shape
@@ -13,6 +13,10 @@ encode's ``attention_mask`` (on: the text encoder sees the captions' padding mas
 setting; pipeline: it does not, as SD 1.x/2.x's CLIP), used on every side; the U-Net's
 cross-attention sees the mask on the diffusers side only if latentforge's U-Net trains with it
 (it does not: ``UNetDenoiser.uses_text_mask``).
+
+``--captions``: ``synth`` keeps the generated captions (templated: ``--num 2048`` gives 1,589
+distinct of 2,048, and ``encode`` runs its text encoder once per distinct caption); ``distinct``
+appends ", image N" to the N-th caption, so that every caption is new (the worst case for (a)).
 
 (a) latentforge, in this process as the three commands would run it: ``ingest`` (one worker
     process) of the image folder, ``encode`` (loads the encoders), ``train`` for one epoch
@@ -241,6 +245,8 @@ def main() -> None:
     ap.add_argument("--mask", choices=("on", "pipeline"), default="on", help="encode.attention_mask, all sides")
     ap.add_argument("--peer-data", choices=("files", "datasets", "both"), default="both",
                     help="how (b) reads the images: files directly, or the example's datasets path")
+    ap.add_argument("--captions", choices=("synth", "distinct"), default="synth",
+                    help="the generated captions, or each made distinct (', image N' appended)")
     args = ap.parse_args()
     recipe = load_recipe("tiny-cpu")
     batch = recipe.train.micro_batch_size
@@ -255,13 +261,19 @@ def main() -> None:
     try:
         generate(tmp / "synth", replace(recipe.synth, num=args.num, num_heldout=0), progress=False)
         images = tmp / "synth" / "train"
+        captions = sorted(images.glob("*.txt"))
+        if args.captions == "distinct":
+            for i, txt in enumerate(captions):
+                txt.write_text(f"{txt.read_text()}, image {i}")
+        distinct = len({txt.read_text() for txt in captions})
         folder = example_folder(images, tmp / "example-data") if "datasets" in peers else None
         build_vae(recipe.vae.model).save_pretrained(tmp / "vae")
         enc = replace(recipe.encode, vae=str(tmp / "vae"), text_encoder=builtin_text_encoder(), device="cpu",
                       attention_mask=args.mask)
         print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), OMP_NUM_THREADS="
               f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; {args.num} images, batch {batch}, {steps} steps "
-              f"= one epoch, encode batch {enc.batch_size}, attention mask {args.mask}, peer data {'+'.join(peers)}")
+              f"= one epoch, encode batch {enc.batch_size}, attention mask {args.mask}, peer data {'+'.join(peers)}, "
+              f"{distinct} distinct captions")
         sides = ["ours"] + [f"b-{p}" for p in peers] + (["online"] if args.online else [])
         results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
         for r in range(args.rounds):

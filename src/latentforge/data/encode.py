@@ -18,6 +18,10 @@ several sizes; its encode writes one latent dataset per bucket, ``OUT/bucket-<W>
 :mod:`latentforge.data.buckets`). Each bucket's pass reads the raw shards' rows of that bucket
 only, but reads every raw shard: the raw data is read once per bucket.
 
+The text encoder runs once per distinct caption (token sequence) of an encode: the text outputs
+of the rows written are kept by :class:`TextCache` (``encode.text_cache_mb``) and a repeated
+caption reuses them; the output is the same with any cache size.
+
 The output directory is resumable per shard: a shard is done when its parquet file and its
 record ``.progress/<shard>.json`` agree on the number of rows. ``.progress/meta.json`` records
 which VAE, text encoder, settings and source dataset the directory was made with, and a rerun
