@@ -12,12 +12,12 @@ import torch
 from PIL import Image
 from scipy.stats import binomtest
 
-from latentforge.data.synth import COLORS, POSITIONS, SynthConfig, TEMPLATES, caption_for, generate
+from latentforge.data.synth import COLORS, POSITIONS, SHAPES, SIZES, SynthConfig, TEMPLATES, caption_for, generate
 from latentforge.errors import ConfigError
 from latentforge.evaluate import alignment
 from latentforge.evaluate.alignment import Prompt, check_new_wordings, make_prompts, score
-from latentforge.evaluate.judge import (NONE, JudgeConfig, agreement, blur, build_judge, chance, down_up,
-                                        load_labelled, validate_judge, verdicts, verdicts_of_tensor)
+from latentforge.evaluate.judge import (NONE, Judge, JudgeConfig, JudgeEnsemble, agreement, blur, build_judge, chance,
+                                        down_up, features, load_labelled, validate_judge, verdicts, verdicts_of_tensor)
 from latentforge.evaluate.nonshapes import NONSHAPE_KINDS, nonshape_set
 from latentforge.evaluate.stats import wilson_interval
 
@@ -118,6 +118,61 @@ def test_judge_learns_every_attribute_and_says_none(tmp_path, one_thread):
     assert chance(judge.classes)["both"] == 1 / 36 and chance(judge.classes)["position"] == 1 / 9
 
 
+def _tiny_judge(seed: int) -> Judge:
+    torch.manual_seed(seed)
+    return Judge(list(COLORS), list(SHAPES), list(SIZES), list(POSITIONS), width=2).eval()
+
+
+def test_an_ensemble_of_one_gives_the_judges_verdicts_and_features():
+    judge = _tiny_judge(0)
+    x = torch.rand(24, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        top = torch.softmax(judge(x)["shape"], 1).max(1).values.sort().values
+    floor = float(top[11] + top[12]) / 2  # half the shape verdicts under the floor: "none"
+    alone, one = verdicts_of_tensor(judge, x, floor), verdicts_of_tensor(JudgeEnsemble([judge]), x, floor)
+    assert one == alone and 0 < alone["shape"].count(NONE) < 24
+    assert torch.equal(features(JudgeEnsemble([judge]), x, 32), features(judge, x, 32))
+
+
+def test_an_ensemble_averages_its_members_probabilities():
+    a, b = _tiny_judge(0), _tiny_judge(1)
+    x = torch.rand(8, 3, 32, 32) * 2 - 1
+    ensemble = JudgeEnsemble([a, b])
+    with torch.no_grad():
+        for attr, logits in ensemble(x).items():
+            mean = (torch.softmax(a(x)[attr], 1) + torch.softmax(b(x)[attr], 1)) / 2
+            assert torch.allclose(torch.softmax(logits, 1), mean, atol=1e-6), attr
+    assert torch.equal(features(ensemble, x, 32), features(a, x, 32))  # the first member's space
+    # two members each sure of a different shape (probability 0.8): alone each names its shape,
+    # together neither passes the floor 0.6 (mean probability 0.4 each)
+    shapes = a.classes["shape"]
+    for judge, sure in ((a, 0), (b, 1)):
+        head = judge.heads["shape"]
+        head.weight.data.zero_()
+        head.bias.data.fill_(0.0)
+        head.bias.data[sure] = float(np.log(0.8 / 0.2 * (len(shapes) - 1)))
+    assert verdicts_of_tensor(a, x, 0.6)["shape"] == [shapes[0]] * 8
+    assert verdicts_of_tensor(b, x, 0.6)["shape"] == [shapes[1]] * 8
+    assert verdicts_of_tensor(ensemble, x, 0.6)["shape"] == [NONE] * 8
+    with pytest.raises(ValueError):
+        JudgeEnsemble([])
+
+
+def test_build_judge_trains_an_ensemble_whose_first_member_is_the_single_judge(tmp_path, one_thread):
+    generate(tmp_path / "train", SynthConfig(num=64, num_heldout=8, seed=3, image_size=32), progress=False)
+    cfg = JudgeConfig(epochs=1, batch_size=32, num_nonshapes=16)
+    single, report1 = build_judge([tmp_path / "train"], 32, cfg)
+    ensemble, report3 = build_judge([tmp_path / "train"], 32, replace(cfg, ensemble=3))
+    assert isinstance(ensemble, JudgeEnsemble) and not isinstance(single, JudgeEnsemble)
+    assert (report1["members"], report3["members"]) == (1, 3) and ensemble.classes == single.classes
+    first, second, third = (m.state_dict() for m in ensemble.members)
+    assert all(torch.equal(first[k], v) for k, v in single.state_dict().items())
+    assert not torch.equal(first["heads.shape.weight"], second["heads.shape.weight"])  # other seeds
+    assert not torch.equal(second["heads.shape.weight"], third["heads.shape.weight"])
+    with pytest.raises(ConfigError, match="ensemble: must be >= 1"):
+        JudgeConfig(ensemble=0).validate()
+
+
 @pytest.fixture(scope="module")
 def demo_judge_on_fixture(tmp_path_factory):
     """The judge exactly as the demo trains it (recipe tiny-cpu: its synth data and demo.judge), its
@@ -148,7 +203,7 @@ def test_judge_at_the_demo_settings_agrees_with_labels_assigned_by_eye(demo_judg
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
     "measured: the judge at the demo's settings agrees on the shape of 115 of the 126 fixture images (91%, "
-    "under 95%): it names a shape for 10 near-misses labelled none (a shield, a blob and X-shaped blobs as "
+    "under 95%; 108 on another host, and 112-115 with ensembles of 3-5 judges): it names a shape for 10 near-misses labelled none (a shield, a blob and X-shaped blobs as "
     "squares, blobs and a smudge as diamonds, a blurred and a clipped round blob as circles, a small "
     "rotated-square blob as a cross) and rejects one circle; see docs/demo.md. Strict: remove this mark "
     "once the judge passes."))

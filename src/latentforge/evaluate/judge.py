@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -65,6 +65,10 @@ class JudgeConfig:
         "help": "share of training images given a halo (an overshoot at the edges, as decoded samples have)"})
     noise_std: float = field(default=0.06, metadata={"help": "largest std of added noise, in [-1, 1] units"})
     seed: int = field(default=0, metadata={"help": "initialisation, augmentation and non-shape seed"})
+    ensemble: int = field(default=1, metadata={
+        "help": "judges trained with seeds seed, seed+1, ... (each its own initialisation, augmentation and "
+                "non-shapes) whose softmax probabilities are averaged before the floor; 1 = one judge. "
+                "Training time grows in proportion"})
 
     def validate(self) -> None:
         problems = Problems()
@@ -76,6 +80,8 @@ class JudgeConfig:
         for name in ("epochs", "batch_size", "width"):
             if getattr(self, name) < 1:
                 problems.add(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.ensemble < 1:
+            problems.add(f"ensemble: must be >= 1, got {self.ensemble}; 1 = one judge")
         if self.num_nonshapes < 0:
             problems.add(f"num_nonshapes: must be >= 0, got {self.num_nonshapes}; 0 = no non-shape images")
         problems.raise_if_any()
@@ -112,6 +118,33 @@ class Judge(nn.Module):
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         h = self.features(x)
         return {a: head(h) for a, head in self.heads.items()}
+
+
+class JudgeEnsemble(nn.Module):
+    """Judges of the same classes trained with different seeds, used as one: the verdict is taken on
+    their averaged softmax probabilities, and the features (the space of the Fréchet distance) are
+    those of the first member, so that they do not depend on the ensemble's size."""
+
+    def __init__(self, members: Sequence[Judge]):
+        super().__init__()
+        if not members:
+            raise ValueError("an ensemble needs at least one judge")
+        if any(m.classes != members[0].classes for m in members):
+            raise ValueError("the judges of an ensemble must have the same classes")
+        self.members = nn.ModuleList(members)
+        self.classes = members[0].classes
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The first member's trunk features."""
+        return self.members[0].features(x)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per attribute the log of the members' mean softmax probabilities: logits whose softmax is
+        that mean (so every caller that takes a softmax of the logits gets the averaged probabilities)."""
+        outs = [m(x) for m in self.members]
+        log_k = float(np.log(len(outs)))
+        return {a: torch.logsumexp(torch.stack([F.log_softmax(o[a], 1) for o in outs]), 0) - log_k
+                for a in outs[0]}
 
 
 def to_tensor(images: Sequence[Image.Image], size: int) -> torch.Tensor:
@@ -225,15 +258,28 @@ def train_judge(x: torch.Tensor, labels: dict[str, torch.Tensor], model: Judge, 
 
 
 def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
-                progress: bool = False) -> tuple[Judge, dict]:
+                progress: bool = False) -> tuple[Judge | JudgeEnsemble, dict]:
     """Train the judge on the real renders of the ``data synth`` outputs ``train_dirs`` and on
-    ``cfg.num_nonshapes`` non-shape renders; deterministic given the data and ``cfg``."""
-    from latentforge.evaluate.nonshapes import nonshape_set
-
+    ``cfg.num_nonshapes`` non-shape renders; deterministic given the data and ``cfg``. With
+    ``cfg.ensemble`` K > 1, K judges with seeds ``cfg.seed`` ... ``cfg.seed + K - 1`` as one
+    :class:`JudgeEnsemble` (its first member is the judge that K = 1 gives)."""
     cfg.validate()
     t0 = time.perf_counter()
-    torch.manual_seed(cfg.seed)
     parts = [load_labelled(Path(d), size) for d in train_dirs]
+    members = [_build_member(parts, size, replace(cfg, seed=cfg.seed + i), progress) for i in range(cfg.ensemble)]
+    model = members[0] if len(members) == 1 else JudgeEnsemble(members)
+    report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": cfg.num_nonshapes,
+              "members": len(members), "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor,
+              "classes": model.classes}
+    return model, report
+
+
+def _build_member(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict]], size: int, cfg: JudgeConfig,
+                  progress: bool) -> Judge:
+    """One judge trained on the loaded real renders ``parts`` and ``cfg.num_nonshapes`` non-shapes of ``cfg.seed``."""
+    from latentforge.evaluate.nonshapes import nonshape_set
+
+    torch.manual_seed(cfg.seed)
     info = parts[0][2]
     classes = {"color": list(info["colors"]), "shape": list(info["shapes"]), "size": list(info["sizes"]),
                "position": list(info["positions"])}
@@ -258,14 +304,12 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
     for a in ("size", "position"):
         unset = torch.tensor([False] * num_real + [getattr(n, a) is None and n.kind != "empty" for n in non])
         labels[a][unset] = _IGNORE
-    train_judge(torch.cat(xs), labels, model, cfg, progress=progress)
-    report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": len(non),
-              "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor, "classes": model.classes}
-    return model, report
+    return train_judge(torch.cat(xs), labels, model, cfg, progress=progress)
 
 
 @torch.no_grad()
-def verdicts_of_tensor(model: Judge, x: torch.Tensor, floor: float, batch: int = 256) -> dict[str, list[str]]:
+def verdicts_of_tensor(model: Judge | JudgeEnsemble, x: torch.Tensor, floor: float,
+                       batch: int = 256) -> dict[str, list[str]]:
     """Per image and attribute the judge's verdict: a class name, or "none" (the rejection class
     or a confidence under ``floor``)."""
     model.eval()
@@ -279,12 +323,14 @@ def verdicts_of_tensor(model: Judge, x: torch.Tensor, floor: float, batch: int =
     return out
 
 
-def verdicts(model: Judge, images: Sequence[Image.Image], size: int, floor: float) -> dict[str, list[str]]:
+def verdicts(model: Judge | JudgeEnsemble, images: Sequence[Image.Image], size: int,
+             floor: float) -> dict[str, list[str]]:
     return verdicts_of_tensor(model, to_tensor(images, size), floor)
 
 
 @torch.no_grad()
-def features(model: Judge, images: Sequence[Image.Image] | torch.Tensor, size: int, batch: int = 256) -> torch.Tensor:
+def features(model: Judge | JudgeEnsemble, images: Sequence[Image.Image] | torch.Tensor, size: int,
+             batch: int = 256) -> torch.Tensor:
     """The judge's trunk features of images (for the Fréchet distance in its space)."""
     x = images if isinstance(images, torch.Tensor) else to_tensor(images, size)
     model.eval()
@@ -323,7 +369,7 @@ def _rates(counts: dict[str, dict[str, int]]) -> dict[str, float]:
     return out
 
 
-def validate_judge(model: Judge, check_dir: Path, size: int, cfg: JudgeConfig,
+def validate_judge(model: Judge | JudgeEnsemble, check_dir: Path, size: int, cfg: JudgeConfig,
                    autoencode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
     """Per-attribute accuracy of the judge at ``cfg.floor`` on fresh real renders of ``check_dir``
     (both splits), clean and degraded (blur sigma 1 px, 2x down/up-sampling, and ``autoencode``:
@@ -365,6 +411,6 @@ def chance(classes: dict[str, list[str]]) -> dict[str, float]:
             "size": 1 / n["size"], "position": 1 / n["position"]}
 
 
-__all__ = ["ATTRIBUTES", "COLORS", "NONE", "POSITIONS", "SHAPES", "SIZES", "Judge", "JudgeConfig", "agreement",
-           "blur", "build_judge", "chance", "down_up", "features", "to_tensor", "validate_judge", "verdicts",
-           "verdicts_of_tensor"]
+__all__ = ["ATTRIBUTES", "COLORS", "NONE", "POSITIONS", "SHAPES", "SIZES", "Judge", "JudgeConfig", "JudgeEnsemble",
+           "agreement", "blur", "build_judge", "chance", "down_up", "features", "to_tensor", "validate_judge",
+           "verdicts", "verdicts_of_tensor"]

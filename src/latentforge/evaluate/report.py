@@ -75,8 +75,10 @@ def _per_combo(ev: dict[str, Any]) -> list[str]:
 
 def _judge_validation(j: dict[str, Any]) -> list[str]:
     v = j["validation"]
-    lines = [f"The judge: {j['train_images']} real renders + {j['train_nonshapes']} non-shape renders, trained in "
-             f"{j['train_seconds']} s; confidence floor {v['floor']} (the same settings score the samples). "
+    members = j.get("members", 1)
+    ensemble = f", {members} judges of consecutive seeds whose probabilities are averaged" if members > 1 else ""
+    lines = [f"The judge: {j['train_images']} real renders + {j['train_nonshapes']} non-shape renders{ensemble}, "
+             f"trained in {j['train_seconds']} s; confidence floor {v['floor']} (the same settings score the samples). "
              "Accuracy per attribute on fresh renders (another seed, both splits; a 'none' verdict counts as wrong):",
              "", "| renders | images | colour | shape | size | position |", "|---|---|---|---|---|---|"]
     names = {"clean": "clean", "blur": "blurred (sigma 1 px)", "down_up": "down-sampled 2x and up-sampled",
