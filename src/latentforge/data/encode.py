@@ -20,7 +20,10 @@ only, but reads every raw shard: the raw data is read once per bucket.
 
 The text encoder runs once per distinct caption (token sequence) of an encode: the text outputs
 of the rows written are kept by :class:`TextCache` (``encode.text_cache_mb``) and a repeated
-caption reuses them; the output is the same with any cache size.
+caption reuses them. A row's text arrays are those of a forward pass of its caption in some batch
+(on the CPU byte-identical to encoding every row; on a GPU another batch can change the last
+bit); a resumed encode rebuilds the cache from its finished shards and writes the same bytes as
+an uninterrupted one.
 
 The output directory is resumable per shard: a shard is done when its parquet file and its
 record ``.progress/<shard>.json`` agree on the number of rows. ``.progress/meta.json`` records
@@ -136,7 +139,7 @@ class EncodeConfig:
     text_cache_mb: int = field(default=256, metadata={
         "help": "memory (MiB) for the text encoder's outputs of captions already written: a caption that "
                 "repeats one of them is not encoded again (repeated or templated captions); 0 = off. "
-                "The output is the same at any size"})
+                "Resume stays exact: the cache is rebuilt from the finished shards"})
     interrupt: InterruptConfig = field(default_factory=InterruptConfig, metadata={
         "help": "on SIGINT / SIGTERM / a scheduler's warning signal: keep the finished shards, exit 75"})
 
