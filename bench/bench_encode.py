@@ -5,7 +5,7 @@
 
 Models and data as in the tiny-cpu demo: 32 px PNGs with captions, its VAE shape (16/32 channels,
 2x down-sampling, untrained: the cost does not depend on the weights) and the pretrained
-all-MiniLM-L6-v2 text encoder (24 tokens), its U-Net (4.6M parameters) at micro batch 32.
+all-MiniLM-L6-v2 text encoder (24 tokens), run 13's U-Net (4.6M parameters, bench/measured_unet.py) at micro batch 32.
 
 A. Encode throughput: ``encode_dataset`` in this process vs ``encode --ray`` (Ray Data: decode
    tasks + an actor pool) with 1 and 2 actors on a local Ray instance with all cores. Ray's
@@ -49,6 +49,7 @@ from latentforge.distributed.ray_data import OnlineSource, encode_on_ray
 from latentforge.distributed.ray_cluster import RayConfig
 from latentforge.models.autoencoder import build_vae
 from latentforge.recipe import load_recipe
+from measured_unet import RUN13_UNET
 from latentforge.train.run import RunConfig, train
 
 WORDS = ("red", "green", "blue", "circle", "square", "star", "small", "large", "top", "left")
@@ -86,7 +87,7 @@ def main() -> None:
     if not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(os.cpu_count() or 1)
     print(f"torch threads {torch.get_num_threads()}")
-    recipe = load_recipe("tiny-cpu")
+    recipe = load_recipe("tiny-cpu", RUN13_UNET)
     tmp = Path(tempfile.mkdtemp(prefix="lf-bench-enc-", dir="/tmp"))
     try:
         vae_dir = tmp / "vae"

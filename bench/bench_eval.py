@@ -3,7 +3,7 @@
     python bench/bench_eval.py [--num 64] [--batch 16] [--steps 30] [--threads 0]
 
 A. Generation: images/s of ``generate`` (the sampler loop with classifier-free guidance, then the
-   VAE decode) from a run with the tiny-cpu recipe's U-Net (4.6M parameters, 32 px images, 16x16x4
+   VAE decode) from a run with run 13's tiny-cpu U-Net (4.6M parameters, 32 px images, 16x16x4
    latents), the tests' tiny VAE and BERT text encoder, at guidance 5; model loading is timed apart.
 B. Feature extraction: images/s of each extractor on 32 px images, weights random (the cost does
    not depend on them) but architectures real:
@@ -35,6 +35,7 @@ from latentforge.data.encode import EncodeConfig, encode_dataset  # noqa: E402
 from latentforge.evaluate.eval import EvalConfig, load_generator  # noqa: E402
 from latentforge.evaluate.features import INCEPTION_SIZE, EncoderExtractor, InceptionExtractor, clean_resize  # noqa: E402
 from latentforge.recipe import load_recipe  # noqa: E402
+from measured_unet import RUN13_UNET  # noqa: E402
 from latentforge.train.run import RunConfig, train  # noqa: E402
 from tiny_models import make_raw_dataset, make_tiny_bert, make_tiny_inception_weights, make_tiny_vae  # noqa: E402
 
@@ -50,7 +51,7 @@ def build_run(root: Path) -> Path:
     encode_dataset(str(raw), str(root / "latents"), EncodeConfig(
         vae=str(make_tiny_vae(root / "vae")), text_encoder=str(make_tiny_bert(root / "bert")), max_length=8,
         batch_size=16, device="cpu"), progress=False)
-    unet = to_dict(load_recipe("tiny-cpu").train.unet)
+    unet = to_dict(load_recipe("tiny-cpu", RUN13_UNET).train.unet)
     cfg = from_dict(RunConfig, {
         "train": {"unet": unet, "phases": [{"datasets": [{"path": str(root / "latents")}], "steps": 1}],
                   "micro_batch_size": 4, "device": "cpu", "loggers": [], "checkpoint": {"every_steps": 100}},

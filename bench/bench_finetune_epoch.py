@@ -7,11 +7,11 @@ diffusers-example-style loop (decode + VAE + text encoder every step), and the b
 The same data and model on both sides: ``--num`` procedurally generated 64 px PNGs with captions
 (the demo's ``synth``, generated before timing), fine-tuned at 32 px; the demo's VAE shape
 (untrained: the cost does not depend on the weights), the built-in MiniLM-L6 text encoder (24
-tokens), the demo's U-Net (4.6M parameters), its micro batch (32), v-prediction with min-SNR 5,
-AdamW at lr 1e-3, EMA 0.995, fp32, one torch thread (set OMP_NUM_THREADS=1). ``--mask``: the
-encode's ``attention_mask`` (on: the text encoder sees the captions' padding mask, the demo's
-setting; pipeline: it does not, as SD 1.x/2.x's CLIP), used on every side; the U-Net's
-cross-attention sees the mask on the diffusers side only if latentforge's U-Net trains with it
+tokens), run 13's demo U-Net (4.6M parameters, bench/measured_unet.py), its micro batch (32),
+v-prediction with min-SNR 5, AdamW at the recipe's lr, EMA 0.995, fp32, one torch thread (set
+OMP_NUM_THREADS=1). ``--mask``: the encode's ``attention_mask`` (on: the text encoder sees the
+captions' padding mask, the demo's setting; pipeline: it does not, as SD 1.x/2.x's CLIP), used on
+every side; the U-Net's cross-attention sees the mask on the diffusers side only if latentforge's U-Net trains with it
 (it does not: ``UNetDenoiser.uses_text_mask``).
 
 ``--captions``: ``synth`` keeps the generated captions (templated: ``--num 2048`` gives 1,589
@@ -69,6 +69,7 @@ from latentforge.data.synth import generate
 from latentforge.models.autoencoder import build_vae
 from latentforge.models.text import builtin_text_encoder
 from latentforge.recipe import load_recipe
+from measured_unet import RUN13_UNET
 from latentforge.train.run import RunConfig, train
 
 
@@ -248,7 +249,7 @@ def main() -> None:
     ap.add_argument("--captions", choices=("synth", "distinct"), default="synth",
                     help="the generated captions, or each made distinct (', image N' appended)")
     args = ap.parse_args()
-    recipe = load_recipe("tiny-cpu")
+    recipe = load_recipe("tiny-cpu", RUN13_UNET)
     batch = recipe.train.micro_batch_size
     steps = args.num // batch
     peers = ["files", "datasets"] if args.peer_data == "both" else [args.peer_data]

@@ -108,8 +108,9 @@ def part_b(args, tmp: Path) -> None:
     from latentforge.models.autoencoder import build_vae
     from latentforge.models.text import encode_text, load_text_encoder
     from latentforge.recipe import load_recipe
+    from measured_unet import RUN13_UNET
 
-    recipe = load_recipe("tiny-cpu")
+    recipe = load_recipe("tiny-cpu", RUN13_UNET)
     batch = recipe.train.micro_batch_size
     num = batch * (args.steps + args.warmup + 1)
     generate(tmp / "synth", replace(recipe.synth, num=num, num_heldout=0), progress=False)

@@ -31,6 +31,9 @@ TINY = [
     "vae.steps=100", "vae.num_eval=30",
     "train.phases.0.steps=120", "train.micro_batch_size=16", "train.optim.warmup_steps=10",
     "train.optim.lr=1e-3",  # the learning rate the floor was calibrated at (the recipe's is 2e-3 since)
+    # ... and the U-Net (the recipe's is [16, 32, 64] since run 14)
+    "train.unet.block_out_channels=[32,64,128]", "train.unet.attention_head_dim=[1,2,4]",
+    "train.unet.norm_num_groups=16",
     "train.log_every=10", "train.checkpoint.every_steps=60", "train.eval.every_steps=60",
     "demo.curve_per_combo=4", "demo.prompts_per_combo=8", "demo.wordings=[caption,plain]",
     "demo.new_wording_per_combo=2", "demo.num_steps=10",

@@ -16,7 +16,7 @@ xl-2       610,856,096   exactly PixArt-alpha/PixArt-XL-2-512x512 ``transformer/
                          latents, 4+4 output channels for the learned variance); the published
                          "0.6B". The 1024-MS model adds the size conditioning (611,349,152).
 small      5,174,224     8 blocks of 192 (3 heads x 64), patch 2, 384-d text: the demo's size
-                         on CPU (the tiny-cpu U-Net has 4.6M), quick GPU trials.
+                         on CPU (run 13's tiny-cpu U-Net had 4.6M), quick GPU trials.
 tiny       210,128       2 blocks of 64 (2 heads x 32), patch 2, 384-d text: tests and the CPU
                          demo at 16x16 latents.
 =========  ============  ========================================================================
@@ -82,7 +82,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "caption_channels": 4096,
         "use_additional_conditions": False,
     },
-    # About the demo U-Net's size (4.6M): 8 blocks of 192 = 3 heads x 64. DiT-S/2's trunk (12 x 384,
+    # About run 13's demo U-Net's size (4.6M): 8 blocks of 192 = 3 heads x 64. DiT-S/2's trunk (12 x 384,
     # 29.8M here) trained at 25-37 s per step of 8 at 16x16 latents on the 2 shared vCPUs.
     "small": {
         **_PIXART,

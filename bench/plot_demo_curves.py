@@ -1,0 +1,60 @@
+"""Held-out accuracy and position words against U-Net training time, one line per demo run.
+
+    python bench/plot_demo_curves.py OUT.png "LABEL=runs/NAME" ["LABEL=runs/NAME" ...]
+
+Reads each run's ``results.json`` (its ``curve``: the demo's evaluations during training, 48
+held-out images in the caption wording at each point, scored by the judge) and draws held-out
+both-right and position words followed against the seconds of U-Net training at each point, with
+the final evaluation's figure (96 images, the exported pipeline) as an open marker at the end.
+Prints the points it draws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def read_curve(run: Path) -> tuple[list[tuple[float, float, float]], dict[str, float]]:
+    """((train seconds, held-out both, position) per curve point, the final held-out figures)."""
+    results = json.loads((run / "results.json").read_text())
+    points = [(p["train_seconds"], p["heldout_both"], p["heldout_position"]) for p in results["curve"]["points"]]
+    caption = results["evaluation"]["splits"]["heldout"]["wordings"]["caption"]
+    return points, {"both": caption["both"]["rate"], "position": caption["position"]["rate"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("runs", nargs="+", help="LABEL=RUN_DIR")
+    args = ap.parse_args()
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axs = plt.subplots(1, 2, figsize=(10, 3.8))
+    for spec in args.runs:
+        label, _, run = spec.partition("=")
+        points, final = read_curve(Path(run))
+        print(f"{label}: " + ", ".join(f"{s:.0f} s {b:.0%} (position {p:.0%})" for s, b, p in points)
+              + f"; final {final['both']:.0%} (position {final['position']:.0%})")
+        for ax, col, key in ((axs[0], 1, "both"), (axs[1], 2, "position")):
+            line, = ax.plot([p[0] for p in points], [100 * p[col] for p in points], "o-", ms=4, label=label)
+            ax.plot([points[-1][0]], [100 * final[key]], "o", mfc="none", color=line.get_color(), ms=7)
+    for ax, title in ((axs[0], "held-out combinations, both right (%)"), (axs[1], "position words followed (%)")):
+        ax.set_xlabel("U-Net training seconds")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    axs[1].axhline(100 / 9, color="gray", ls=":", lw=1)
+    axs[0].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=100)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
