@@ -34,6 +34,7 @@ TINY = [
     # ... and the U-Net (the recipe's is [16, 32, 64] since run 14)
     "train.unet.block_out_channels=[32,64,128]", "train.unet.attention_head_dim=[1,2,4]",
     "train.unet.norm_num_groups=16",
+    "demo.guidance_scale=4.0",  # ... and the guidance scale (the recipe's is 3 since run 15)
     "train.log_every=10", "train.checkpoint.every_steps=60", "train.eval.every_steps=60",
     "demo.curve_per_combo=4", "demo.prompts_per_combo=8", "demo.wordings=[caption,plain]",
     "demo.new_wording_per_combo=2", "demo.num_steps=10",
