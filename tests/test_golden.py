@@ -68,6 +68,36 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     assert heldout["new_wordings"]["both"]["num"] == 12
 
 
+def test_rescore_gives_the_demos_figures_at_its_own_scale_and_keeps_the_judge(golden):
+    """`demo --rescore` scores the finished run again without training: at the run's own guidance
+    scale it reproduces the demo's evaluation, with the judge the demo saved (not trained again)."""
+    from latentforge.cli import main
+
+    out, r = golden
+    weights = out / "judge" / "judge.safetensors"
+    saved_at = weights.stat().st_mtime_ns
+    assert main(["demo", "--quiet", "--out", str(out), "--rescore", "4,2"]) in (None, 0)
+    res = json.loads((out / "rescore" / "results.json").read_text())
+    assert [row["guidance_scale"] for row in res["rows"]] == [4.0, 2.0]
+    at4, ev = res["rows"][0], r["evaluation"]["splits"]
+    for split in ("heldout", "seen"):
+        assert at4[f"{split}_caption"] == ev[split]["wordings"]["caption"]["both"]
+        assert at4[f"{split}_new"] == ev[split]["new_wordings"]["both"]
+        assert at4[f"{split}_position"] == ev[split]["all"]["position"]
+        assert ((out / "rescore" / "guidance-4" / f"{split}-caption.txt").read_text()
+                == (out / "samples" / f"{split}-caption.txt").read_text())
+    # the same pixels at 4, other pixels at 2
+    assert (out / "rescore" / "guidance-4" / "heldout.png").read_bytes() == (out / "samples" / "heldout.png").read_bytes()
+    assert (out / "rescore" / "guidance-2" / "heldout.png").read_bytes() != (out / "samples" / "heldout.png").read_bytes()
+    assert weights.stat().st_mtime_ns == saved_at
+    assert "| **4** |" in (out / "rescore" / "rescore.md").read_text()
+    # a rerun keeps what it scored; settings outside demo.* are refused
+    kept = (out / "rescore" / "guidance-2" / "evaluation.json").stat().st_mtime_ns
+    assert main(["demo", "--quiet", "--out", str(out), "--rescore", "2"]) in (None, 0)
+    assert (out / "rescore" / "guidance-2" / "evaluation.json").stat().st_mtime_ns == kept
+    assert main(["demo", "--quiet", "--out", str(out), "--rescore", "2", "train.optim.lr=1"]) == 2
+
+
 @pytest.mark.slow
 def test_a_negated_target_fails_the_floor(tmp_path_factory, one_thread):
     """The same run trained on -v: its loss falls as the real one's does, its samples are noise,

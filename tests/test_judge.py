@@ -13,11 +13,12 @@ from PIL import Image
 from scipy.stats import binomtest
 
 from latentforge.data.synth import COLORS, POSITIONS, SHAPES, SIZES, SynthConfig, TEMPLATES, caption_for, generate
-from latentforge.errors import ConfigError
+from latentforge.errors import ConfigError, UserError
 from latentforge.evaluate import alignment
 from latentforge.evaluate.alignment import Prompt, check_new_wordings, make_prompts, score
 from latentforge.evaluate.judge import (NONE, Judge, JudgeConfig, JudgeEnsemble, agreement, blur, build_judge, chance,
-                                        down_up, features, load_labelled, validate_judge, verdicts, verdicts_of_tensor)
+                                        down_up, features, load_judge, load_labelled, save_judge, validate_judge,
+                                        verdicts, verdicts_of_tensor)
 from latentforge.evaluate.nonshapes import NONSHAPE_KINDS, nonshape_set
 from latentforge.evaluate.stats import wilson_interval
 
@@ -171,6 +172,33 @@ def test_build_judge_trains_an_ensemble_whose_first_member_is_the_single_judge(t
     assert not torch.equal(second["heads.shape.weight"], third["heads.shape.weight"])
     with pytest.raises(ConfigError, match="ensemble: must be >= 1"):
         JudgeConfig(ensemble=0).validate()
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_a_saved_judge_loads_with_the_same_outputs_and_only_for_its_settings(tmp_path, members):
+    judges = [_tiny_judge(i) for i in range(members)]
+    for i, j in enumerate(judges):  # batch-norm statistics are state too: move them off their defaults
+        for m in j.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.normal_(0, 0.1, generator=torch.Generator().manual_seed(i))
+                m.running_var.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(i))
+    judge = judges[0] if members == 1 else JudgeEnsemble(judges)
+    cfg, data = JudgeConfig(width=2, ensemble=members), {"synth": {"seed": 3}}
+    save_judge(judge, cfg, {"seconds": 1.5}, tmp_path / "judge", data)
+    loaded, report = load_judge(tmp_path / "judge", cfg, data)
+    assert report == {"seconds": 1.5} and type(loaded) is type(judge) and loaded.classes == judge.classes
+    x = torch.rand(6, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        for a, logits in judge.eval()(x).items():
+            assert torch.equal(loaded(x)[a], logits), a
+    # another setting or other data: no judge (the caller trains one); nothing saved: no judge
+    assert load_judge(tmp_path / "judge", replace(cfg, floor=0.7), data) is None
+    assert load_judge(tmp_path / "judge", cfg, {"synth": {"seed": 4}}) is None
+    assert load_judge(tmp_path / "nothing", cfg, data) is None
+    # weights that are not safetensors: refused with the file's name, never unpickled
+    torch.save(judge.state_dict(), tmp_path / "judge" / "judge.safetensors")
+    with pytest.raises(UserError, match="judge.safetensors: not a readable safetensors file"):
+        load_judge(tmp_path / "judge", cfg, data)
 
 
 @pytest.fixture(scope="module")

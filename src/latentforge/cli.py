@@ -256,11 +256,11 @@ def cmd_export(ns, overrides):
     print(f"export: {what} -> {out}")
 
 
-def _float_list(text: str) -> list[float]:
+def _float_list(text: str, flag: str = "--cfg", example: str = "1,2,4,8") -> list[float]:
     try:
         return [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise UserError(f"--cfg: expected comma-separated numbers, e.g. 1,2,4,8; got {text!r}") from None
+        raise UserError(f"{flag}: expected comma-separated numbers, e.g. {example}; got {text!r}") from None
 
 
 def cmd_eval(ns, overrides):
@@ -308,8 +308,19 @@ def cmd_report(ns, overrides):
 
 
 def cmd_demo(ns, overrides):
-    from latentforge.demo import run_demo
+    from latentforge.demo import rescore_demo, run_demo
 
+    if ns.rescore is not None:
+        if ns.recipe:
+            raise UserError(f"demo --rescore reads the recipe the demo ran with ({ns.out}/recipe.yaml); leave out --recipe")
+        scales = _float_list(ns.rescore, "--rescore", "2,3,4")
+        result = rescore_demo(ns.out, scales, overrides, progress=not ns.quiet)
+        from latentforge.demo import rescore_table
+
+        print(rescore_table(result), end="")
+        print(f"demo --rescore: {len(scales)} guidance scales -> {ns.out}/rescore/rescore.md, results.json")
+        return
+    ns.recipe = ns.recipe or "tiny-cpu"
     recipe = _recipe(ns, overrides, {})
     run_demo(recipe, ns.out, progress=not ns.quiet)
 
@@ -484,7 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("demo", cmd_demo, "the end-to-end demo on the built-in dataset (recipe tiny-cpu by default)")
     sp.add_argument("--out", default="runs/demo", help="output directory (default runs/demo); a rerun resumes")
-    sp.set_defaults(recipe="tiny-cpu")
+    sp.add_argument("--rescore", metavar="G1,G2,...",
+                    help="no training: score the finished demo in --out again at these guidance scales, e.g. 2,3,4, "
+                         "with its own recipe, prompts and judge (-> OUT/rescore/rescore.md); only demo.* overrides")
 
     sp = add("bench", cmd_bench, "time the real training step of a recipe on this machine: img/s per device, MFU, "
              "peak memory; writes JSON that plan --throughput reads")

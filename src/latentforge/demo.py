@@ -14,7 +14,7 @@ import importlib.util
 import json
 import shutil
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -201,11 +201,17 @@ def _autoencoder(vae: Any) -> Any:
 
 def _judge(recipe: Any, out: Path, vae_dir: Path) -> tuple[Any, dict[str, Any]]:
     """Train the judge at the recipe's settings; validate it at the same settings on fresh renders
-    (clean, blurred, down/up-sampled, through the demo's VAE: the ceiling of any denoiser)."""
-    from latentforge.evaluate.judge import build_judge, validate_judge
+    (clean, blurred, down/up-sampled, through the demo's VAE: the ceiling of any denoiser). Saved
+    in ``out/judge``: a rerun, and ``demo --rescore``, use the saved judge while its settings and
+    data stay those of the recipe."""
+    from latentforge.evaluate.judge import build_judge, load_judge, save_judge, validate_judge
     from latentforge.models.autoencoder import load_vae
 
     size = recipe.ingest.image.resolution
+    trained_on = {"synth": asdict(recipe.synth), "size": size, "vae": asdict(recipe.vae)}  # the VAE: its validation
+    saved = load_judge(out / "judge", recipe.demo.judge, trained_on)
+    if saved is not None:
+        return saved
     t0 = time.perf_counter()
     judge, report = build_judge([out / "synth"], size, recipe.demo.judge)
     t1 = time.perf_counter()
@@ -213,6 +219,7 @@ def _judge(recipe: Any, out: Path, vae_dir: Path) -> tuple[Any, dict[str, Any]]:
                                           autoencode=_autoencoder(load_vae(str(vae_dir)).eval()))
     report["train_seconds"] = round(t1 - t0, 1)
     report["validate_seconds"] = round(time.perf_counter() - t1, 1)
+    save_judge(judge, recipe.demo.judge, report, out / "judge", trained_on)
     return judge, report
 
 
@@ -275,9 +282,10 @@ def _real_heldout(out: Path, size: int) -> torch.Tensor:
     return x[keep]
 
 
-def _evaluate(recipe: Any, out: Path, judge: Any) -> dict[str, Any]:
+def _evaluate(recipe: Any, out: Path, judge: Any, grid_dir: Path | None = None) -> dict[str, Any]:
     """Sample every split x wording with the exported pipeline (loaded as a user loads it) and score
-    colour, shape, size and position with 95% intervals; the Fréchet distance in the judge's space."""
+    colour, shape, size and position with 95% intervals; the Fréchet distance in the judge's space.
+    Grids and verdicts go to ``grid_dir`` (``out/samples`` by default)."""
     from diffusers import DiffusionPipeline
 
     from latentforge.evaluate.alignment import check_new_wordings, make_prompts, score
@@ -299,8 +307,8 @@ def _evaluate(recipe: Any, out: Path, judge: Any) -> dict[str, Any]:
                                                 replace=False)]
     result: dict[str, Any] = {"chance": chance(judge.classes), "wordings": list(d.wordings), "splits": {},
                               "sampler": d.sampler, "num_steps": d.num_steps, "guidance_scale": d.guidance_scale}
-    grid_dir = out / "samples"
-    grid_dir.mkdir(exist_ok=True)
+    grid_dir = grid_dir or out / "samples"
+    grid_dir.mkdir(parents=True, exist_ok=True)
     caption_images: dict[str, list] = {}
     for split, combos in (("heldout", recipe.synth.heldout_combos()), ("seen", seen)):
         per: dict[str, Any] = {"combos": [f"{c} {s}" for c, s in combos], "wordings": {}}
@@ -349,6 +357,104 @@ def _evaluate(recipe: Any, out: Path, judge: Any) -> dict[str, Any]:
             result["frechet"][f"{name}_generated_vs_real"] = frechet_distance(f(gen, size), f(a, size))
             result["frechet"][f"{name}_real_vs_real"] = frechet_distance(f(b, size), f(a, size))
     return result
+
+
+RESCORE_DIR = "rescore"
+
+
+def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: list[str] | None = None,
+                 progress: bool = True) -> dict[str, Any]:
+    """Score a finished demo's exported pipeline again at other guidance scales, without training:
+    the demo's own evaluation (the same prompts, noise, judge and settings, from ``OUT/recipe.yaml``;
+    ``overrides`` may change ``demo.*`` settings but its sampler) once per scale. Each scale's
+    evaluation goes to ``OUT/rescore/guidance-G/`` (grids, verdicts, evaluation.json) and is kept by
+    a rerun with the same settings; the table of all of them to ``OUT/rescore/rescore.md`` and
+    ``results.json``. At the recipe's own scale it gives the figures of the demo's report."""
+    from latentforge.recipe import load_recipe
+
+    out = Path(out_dir)
+    overrides = list(overrides or [])
+    if not (out / "recipe.yaml").is_file():
+        raise UserError(f"{out}: no recipe.yaml, not a demo directory; run `latentforge demo --out {out}` first")
+    if not (out / "export" / "model_index.json").is_file() or not (out / "synth" / "labels.jsonl").is_file():
+        raise UserError(f"{out}: the demo has not finished (no exported pipeline); rerun "
+                        f"`latentforge demo --out {out}` to finish it, then rescore")
+    if not guidance_scales:
+        raise UserError("--rescore: give at least one guidance scale, e.g. --rescore 2,3,4")
+    if any(not g > 0 for g in guidance_scales):
+        raise UserError(f"--rescore: guidance scales must be positive, got {guidance_scales}")
+    bad = [o for o in overrides if not o.startswith("demo.") or o.split("=")[0] in ("demo.sampler", "demo.guidance_scale")]
+    if bad:
+        raise UserError(f"--rescore scores the exported model as it is: only demo.* settings (not demo.sampler, the "
+                        f"pipeline's scheduler, nor demo.guidance_scale, given by --rescore) can change; got {bad}")
+    recipe = load_recipe(str(out / "recipe.yaml"), overrides)
+    if progress:
+        print(f"rescore: {out}, the judge of {out / 'judge'} (trained again if missing)", flush=True)
+    judge, judge_report = _judge(recipe, out, out / "vae")
+    rows = []
+    for g in guidance_scales:
+        cfg = replace(recipe, demo=replace(recipe.demo, guidance_scale=float(g)))
+        gdir = out / RESCORE_DIR / f"guidance-{g:g}"
+        key = json.loads(json.dumps(asdict(cfg.demo), default=str))
+        cached = gdir / "evaluation.json"
+        saved = json.loads(cached.read_text()) if cached.is_file() else None
+        t0 = time.perf_counter()
+        if saved is not None and saved.get("demo") == key:
+            evaluation, seconds = saved["evaluation"], saved["seconds"]
+        else:
+            evaluation = _evaluate(cfg, out, judge, grid_dir=gdir)
+            seconds = round(time.perf_counter() - t0, 1)
+            tmp = cached.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"demo": key, "evaluation": evaluation, "seconds": seconds}, indent=1,
+                                      default=str))
+            tmp.replace(cached)
+        rows.append(rescore_row(float(g), evaluation, seconds))
+        if progress:
+            r = rows[-1]
+            print(f"  guidance {g:g}: held-out both {r['heldout_caption']['rate']:.0%} "
+                  f"[{r['heldout_caption']['lo']:.0%}-{r['heldout_caption']['hi']:.0%}], seen "
+                  f"{r['seen_caption']['rate']:.0%}, position words {r['heldout_position']['rate']:.0%} "
+                  f"({seconds:.0f} s)", flush=True)
+    result = {"run": str(out), "recipe_guidance_scale": recipe.demo.guidance_scale, "rows": rows,
+              "judge_floor": recipe.demo.judge.floor, "judge_validation": judge_report.get("validation")}
+    (out / RESCORE_DIR / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / RESCORE_DIR / "rescore.md").write_text(rescore_table(result))
+    return result
+
+
+def rescore_row(guidance_scale: float, evaluation: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """The figures of one evaluation that the rescore table shows."""
+    row: dict[str, Any] = {"guidance_scale": guidance_scale, "seconds": seconds}
+    for split in ("heldout", "seen"):
+        ev = evaluation["splits"][split]
+        row[f"{split}_caption"] = ev["wordings"]["caption"]["both"]
+        row[f"{split}_new"] = ev["new_wordings"]["both"] if "new_wordings" in ev else None
+        for a in ("size", "position"):
+            row[f"{split}_{a}"] = ev["all"][a]
+    return row
+
+
+def rescore_table(result: dict[str, Any]) -> str:
+    """Markdown: one row per guidance scale (both right in the caption and the new wordings, size and
+    position words over all wordings), the recipe's own scale in bold."""
+    def pct(r: dict | None, interval: bool = False) -> str:
+        if r is None:
+            return "-"
+        return f"{r['rate']:.0%} [{r['lo']:.0%}-{r['hi']:.0%}]" if interval else f"{r['rate']:.0%}"
+
+    lines = [f"# {result['run']}: the exported pipeline scored at several guidance scales", "",
+             "Both = colour and shape right; size and position words over every wording of the split. The recipe's "
+             f"own scale ({result['recipe_guidance_scale']:g}) in bold: its row is the demo's report.", "",
+             "| guidance | held-out both, caption | held-out, new wordings | seen both, caption | seen, new wordings "
+             "| size words (held-out) | position words (held-out) | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        g = f"{r['guidance_scale']:g}"
+        g = f"**{g}**" if r["guidance_scale"] == result["recipe_guidance_scale"] else g
+        lines.append(f"| {g} | {pct(r['heldout_caption'], True)} | {pct(r['heldout_new'])} | "
+                     f"{pct(r['seen_caption'], True)} | {pct(r['seen_new'])} | {pct(r['heldout_size'])} | "
+                     f"{pct(r['heldout_position'])} | {r['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def _export_and_check(recipe: Any, out: Path, comps: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -404,6 +404,68 @@ def validate_judge(model: Judge | JudgeEnsemble, check_dir: Path, size: int, cfg
     return result
 
 
+JUDGE_WEIGHTS, JUDGE_META = "judge.safetensors", "judge.json"
+
+
+def save_judge(model: Judge | JudgeEnsemble, cfg: JudgeConfig, report: dict, out_dir: str | Path,
+               trained_on: dict | None = None) -> Path:
+    """Write the judge to ``out_dir`` (weights in safetensors, classes, its config and report in
+    JSON), atomically: a directory that exists holds a complete judge. ``trained_on`` records what
+    it was trained on, for :func:`load_judge` to compare."""
+    import os
+    import shutil
+
+    import safetensors.torch
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    members = list(model.members) if isinstance(model, JudgeEnsemble) else [model]
+    tensors = {f"{i}.{k}": v.detach().contiguous() for i, m in enumerate(members) for k, v in m.state_dict().items()}
+    safetensors.torch.save_file(tensors, str(tmp / JUDGE_WEIGHTS), metadata={"format": "pt"})
+    meta = {"members": len(members), "width": members[0].trunk[0].out_channels, "classes": members[0].classes,
+            "config": asdict(cfg), "trained_on": trained_on or {}, "report": report}
+    (tmp / JUDGE_META).write_text(json.dumps(meta, indent=1, default=str))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None,
+               trained_on: dict | None = None) -> tuple[Judge | JudgeEnsemble, dict] | None:
+    """The judge that :func:`save_judge` wrote and its report; ``None`` when ``out_dir`` holds none,
+    or one of another config than ``cfg`` or trained on other data than ``trained_on`` (the caller
+    trains a new one). Reads safetensors and JSON only."""
+    from latentforge.checkpoint import load_safetensors
+
+    d = Path(out_dir)
+    if not (d / JUDGE_META).is_file() or not (d / JUDGE_WEIGHTS).is_file():
+        return None
+    try:
+        meta = json.loads((d / JUDGE_META).read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{d / JUDGE_META}: not valid JSON ({e.msg}); delete {d} to train the judge again") from None
+    if cfg is not None and meta.get("config") != json.loads(json.dumps(asdict(cfg), default=str)):
+        return None
+    if trained_on is not None and meta.get("trained_on") != json.loads(json.dumps(trained_on, default=str)):
+        return None
+    tensors = load_safetensors(d / JUDGE_WEIGHTS)
+    c = meta["classes"]
+    members = []
+    for i in range(int(meta["members"])):
+        m = Judge(c["color"], [s for s in c["shape"] if s != NONE], c["size"], c["position"], width=int(meta["width"]))
+        prefix = f"{i}."
+        try:
+            m.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+        except RuntimeError as e:
+            raise UserError(f"{d / JUDGE_WEIGHTS}: does not fit the judge of {d / JUDGE_META} "
+                            f"({str(e).splitlines()[0]}); delete {d} to train the judge again") from None
+        members.append(m.eval())
+    model = members[0] if len(members) == 1 else JudgeEnsemble(members).eval()
+    return model, meta["report"]
+
+
 def chance(classes: dict[str, list[str]]) -> dict[str, float]:
     """Chance level of each verdict for a uniformly guessing judge (the shape's "none" excluded)."""
     n = {a: len([c for c in v if c != NONE]) for a, v in classes.items()}
@@ -412,5 +474,5 @@ def chance(classes: dict[str, list[str]]) -> dict[str, float]:
 
 
 __all__ = ["ATTRIBUTES", "COLORS", "NONE", "POSITIONS", "SHAPES", "SIZES", "Judge", "JudgeConfig", "JudgeEnsemble",
-           "agreement", "blur", "build_judge", "chance", "down_up", "features", "to_tensor", "validate_judge",
-           "verdicts", "verdicts_of_tensor"]
+           "agreement", "blur", "build_judge", "chance", "down_up", "features", "load_judge", "save_judge", "to_tensor",
+           "validate_judge", "verdicts", "verdicts_of_tensor"]
