@@ -96,6 +96,12 @@ def test_rescore_gives_the_demos_figures_at_its_own_scale_and_keeps_the_judge(go
     assert main(["demo", "--quiet", "--out", str(out), "--rescore", "2"]) in (None, 0)
     assert (out / "rescore" / "guidance-2" / "evaluation.json").stat().st_mtime_ns == kept
     assert main(["demo", "--quiet", "--out", str(out), "--rescore", "2", "train.optim.lr=1"]) == 2
+    # another sampler than the export's: the pipeline gets it for the run's noise schedule
+    assert main(["demo", "--quiet", "--out", str(out), "--rescore", "4", "demo.sampler=dpm++"]) in (None, 0)
+    row = json.loads((out / "rescore" / "results.json").read_text())["rows"][0]
+    assert (row["sampler"], row["guidance_scale"]) == ("dpm++", 4.0)
+    assert ((out / "rescore" / "dpm++-10-guidance-4" / "heldout.png").read_bytes()
+            != (out / "samples" / "heldout.png").read_bytes())
 
 
 @pytest.mark.slow

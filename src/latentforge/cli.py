@@ -497,7 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="runs/demo", help="output directory (default runs/demo); a rerun resumes")
     sp.add_argument("--rescore", metavar="G1,G2,...",
                     help="no training: score the finished demo in --out again at these guidance scales, e.g. 2,3,4, "
-                         "with its own recipe, prompts and judge (-> OUT/rescore/rescore.md); only demo.* overrides")
+                         "with its own recipe, prompts and judge (-> OUT/rescore/rescore.md); only demo.* overrides, e.g. "
+                         "demo.sampler=dpm++ demo.num_steps=40")
 
     sp = add("bench", cmd_bench, "time the real training step of a recipe on this machine: img/s per device, MFU, "
              "peak memory; writes JSON that plan --throughput reads")

@@ -298,6 +298,7 @@ def _evaluate(recipe: Any, out: Path, judge: Any, grid_dir: Path | None = None) 
     check_new_wordings()
     pipe = DiffusionPipeline.from_pretrained(str(out / "export"), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
+    _use_sampler(pipe, out, d.sampler)
     from latentforge.export.diffusers_pipeline import pipeline_call_kwargs
 
     call = pipeline_call_kwargs(out / "export")  # a transformer's PixArtAlphaPipeline settings
@@ -359,6 +360,28 @@ def _evaluate(recipe: Any, out: Path, judge: Any, grid_dir: Path | None = None) 
     return result
 
 
+def _exported_sampler(out: Path) -> str:
+    return json.loads((out / "export" / "latentforge_export.json").read_text())["scheduler"]
+
+
+def _use_sampler(pipe: Any, out: Path, sampler: str) -> None:
+    """Give the exported pipeline the sampler ``sampler`` when it was exported with another one: the
+    same sampler for the run's noise schedule that ``export --scheduler`` would have saved."""
+    if sampler == _exported_sampler(out):
+        return
+    from latentforge.diffusion.flow_matching import FLOW_MATCHING
+    from latentforge.diffusion.schedule import check_scheduler_objective, make_sampler
+    from latentforge.train.run_files import load_run_files
+
+    noise = load_run_files(out / "run")[0].train.noise
+    if noise.prediction_type == FLOW_MATCHING and sampler == "euler":
+        raise UserError("demo.sampler=euler: the exported pipeline cannot run a flow_matching model with "
+                        "FlowMatchEulerDiscreteScheduler; use ddim (the same Euler step) or dpm++")
+    denoiser = getattr(pipe, "unet", None) or pipe.transformer
+    pipe.scheduler = make_sampler(sampler, noise, denoiser.config.sample_size)
+    check_scheduler_objective(pipe.scheduler, noise)
+
+
 RESCORE_DIR = "rescore"
 
 
@@ -366,8 +389,9 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
                  progress: bool = True) -> dict[str, Any]:
     """Score a finished demo's exported pipeline again at other guidance scales, without training:
     the demo's own evaluation (the same prompts, noise, judge and settings, from ``OUT/recipe.yaml``;
-    ``overrides`` may change ``demo.*`` settings but its sampler) once per scale. Each scale's
-    evaluation goes to ``OUT/rescore/guidance-G/`` (grids, verdicts, evaluation.json) and is kept by
+    ``overrides`` may change ``demo.*`` settings, the sampler too) once per scale. Each scale's
+    evaluation goes to ``OUT/rescore/guidance-G/`` (``SAMPLER-STEPS-guidance-G/`` for another sampler or
+    number of steps than the demo's; grids, verdicts, evaluation.json) and is kept by
     a rerun with the same settings; the table of all of them to ``OUT/rescore/rescore.md`` and
     ``results.json``. At the recipe's own scale it gives the figures of the demo's report."""
     from latentforge.recipe import load_recipe
@@ -383,18 +407,20 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
         raise UserError("--rescore: give at least one guidance scale, e.g. --rescore 2,3,4")
     if any(not g > 0 for g in guidance_scales):
         raise UserError(f"--rescore: guidance scales must be positive, got {guidance_scales}")
-    bad = [o for o in overrides if not o.startswith("demo.") or o.split("=")[0] in ("demo.sampler", "demo.guidance_scale")]
+    bad = [o for o in overrides if not o.startswith("demo.") or o.split("=")[0] == "demo.guidance_scale"]
     if bad:
-        raise UserError(f"--rescore scores the exported model as it is: only demo.* settings (not demo.sampler, the "
-                        f"pipeline's scheduler, nor demo.guidance_scale, given by --rescore) can change; got {bad}")
-    recipe = load_recipe(str(out / "recipe.yaml"), overrides)
+        raise UserError(f"--rescore scores the exported model as it is: only demo.* settings (not "
+                        f"demo.guidance_scale, given by --rescore) can change; got {bad}")
+    recipe, ran = load_recipe(str(out / "recipe.yaml"), overrides), load_recipe(str(out / "recipe.yaml"))
     if progress:
         print(f"rescore: {out}, the judge of {out / 'judge'} (trained again if missing)", flush=True)
     judge, judge_report = _judge(recipe, out, out / "vae")
     rows = []
     for g in guidance_scales:
         cfg = replace(recipe, demo=replace(recipe.demo, guidance_scale=float(g)))
-        gdir = out / RESCORE_DIR / f"guidance-{g:g}"
+        own = (cfg.demo.sampler, cfg.demo.num_steps) == (_exported_sampler(out), ran.demo.num_steps)
+        gdir = out / RESCORE_DIR / (f"guidance-{g:g}" if own else
+                                    f"{cfg.demo.sampler}-{cfg.demo.num_steps}-guidance-{g:g}")
         key = json.loads(json.dumps(asdict(cfg.demo), default=str))
         cached = gdir / "evaluation.json"
         saved = json.loads(cached.read_text()) if cached.is_file() else None
@@ -415,7 +441,8 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
                   f"[{r['heldout_caption']['lo']:.0%}-{r['heldout_caption']['hi']:.0%}], seen "
                   f"{r['seen_caption']['rate']:.0%}, position words {r['heldout_position']['rate']:.0%} "
                   f"({seconds:.0f} s)", flush=True)
-    result = {"run": str(out), "recipe_guidance_scale": recipe.demo.guidance_scale, "rows": rows,
+    result = {"run": str(out), "recipe_guidance_scale": ran.demo.guidance_scale,
+              "recipe_sampler": ran.demo.sampler, "recipe_num_steps": ran.demo.num_steps, "rows": rows,
               "judge_floor": recipe.demo.judge.floor, "judge_validation": judge_report.get("validation")}
     (out / RESCORE_DIR / "results.json").write_text(json.dumps(result, indent=1, default=str))
     (out / RESCORE_DIR / "rescore.md").write_text(rescore_table(result))
@@ -424,7 +451,8 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
 
 def rescore_row(guidance_scale: float, evaluation: dict[str, Any], seconds: float) -> dict[str, Any]:
     """The figures of one evaluation that the rescore table shows."""
-    row: dict[str, Any] = {"guidance_scale": guidance_scale, "seconds": seconds}
+    row: dict[str, Any] = {"guidance_scale": guidance_scale, "sampler": evaluation["sampler"],
+                           "num_steps": evaluation["num_steps"], "seconds": seconds}
     for split in ("heldout", "seen"):
         ev = evaluation["splits"][split]
         row[f"{split}_caption"] = ev["wordings"]["caption"]["both"]
@@ -442,16 +470,17 @@ def rescore_table(result: dict[str, Any]) -> str:
             return "-"
         return f"{r['rate']:.0%} [{r['lo']:.0%}-{r['hi']:.0%}]" if interval else f"{r['rate']:.0%}"
 
+    own = (result["recipe_guidance_scale"], result["recipe_sampler"], result["recipe_num_steps"])
     lines = [f"# {result['run']}: the exported pipeline scored at several guidance scales", "",
              "Both = colour and shape right; size and position words over every wording of the split. The recipe's "
-             f"own scale ({result['recipe_guidance_scale']:g}) in bold: its row is the demo's report.", "",
-             "| guidance | held-out both, caption | held-out, new wordings | seen both, caption | seen, new wordings "
-             "| size words (held-out) | position words (held-out) | seconds |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"own settings ({own[1]}, {own[2]} steps, guidance {own[0]:g}) in bold: that row is the demo's report.", "",
+             "| sampler, steps | guidance | held-out both, caption | held-out, new wordings | seen both, caption "
+             "| seen, new wordings | size words (held-out) | position words (held-out) | seconds |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         g = f"{r['guidance_scale']:g}"
-        g = f"**{g}**" if r["guidance_scale"] == result["recipe_guidance_scale"] else g
-        lines.append(f"| {g} | {pct(r['heldout_caption'], True)} | {pct(r['heldout_new'])} | "
+        g = f"**{g}**" if (r["guidance_scale"], r["sampler"], r["num_steps"]) == own else g
+        lines.append(f"| {r['sampler']}, {r['num_steps']} | {g} | {pct(r['heldout_caption'], True)} | {pct(r['heldout_new'])} | "
                      f"{pct(r['seen_caption'], True)} | {pct(r['seen_new'])} | {pct(r['heldout_size'])} | "
                      f"{pct(r['heldout_position'])} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
