@@ -308,15 +308,13 @@ def cmd_report(ns, overrides):
 
 
 def cmd_demo(ns, overrides):
-    from latentforge.demo import rescore_demo, run_demo
+    from latentforge.demo import rescore_demo, rescore_table, run_demo
 
     if ns.rescore is not None:
         if ns.recipe:
             raise UserError(f"demo --rescore reads the recipe the demo ran with ({ns.out}/recipe.yaml); leave out --recipe")
         scales = _float_list(ns.rescore, "--rescore", "2,3,4")
         result = rescore_demo(ns.out, scales, overrides, progress=not ns.quiet)
-        from latentforge.demo import rescore_table
-
         print(rescore_table(result), end="")
         print(f"demo --rescore: {len(scales)} guidance scales -> {ns.out}/rescore/rescore.md, results.json")
         return

@@ -369,14 +369,13 @@ def _use_sampler(pipe: Any, out: Path, sampler: str) -> None:
     same sampler for the run's noise schedule that ``export --scheduler`` would have saved."""
     if sampler == _exported_sampler(out):
         return
-    from latentforge.diffusion.flow_matching import FLOW_MATCHING
     from latentforge.diffusion.schedule import check_scheduler_objective, make_sampler
+    from latentforge.export.diffusers_pipeline import check_pipeline_sampler
     from latentforge.train.run_files import load_run_files
 
     noise = load_run_files(out / "run")[0].train.noise
-    if noise.prediction_type == FLOW_MATCHING and sampler == "euler":
-        raise UserError("demo.sampler=euler: the exported pipeline cannot run a flow_matching model with "
-                        "FlowMatchEulerDiscreteScheduler; use ddim (the same Euler step) or dpm++")
+    check_pipeline_sampler(type(pipe).__name__, sampler, noise, "demo",
+                           "score this flow_matching model with demo.sampler=ddim")
     denoiser = getattr(pipe, "unet", None) or pipe.transformer
     pipe.scheduler = make_sampler(sampler, noise, denoiser.config.sample_size)
     check_scheduler_objective(pipe.scheduler, noise)
@@ -395,6 +394,7 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
     a rerun with the same settings; the table of all of them to ``OUT/rescore/rescore.md`` and
     ``results.json``. At the recipe's own scale it gives the figures of the demo's report."""
     from latentforge.recipe import load_recipe
+    from latentforge.storage import atomic_write_bytes
 
     out = Path(out_dir)
     overrides = list(overrides or [])
@@ -416,9 +416,9 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
         print(f"rescore: {out}, the judge of {out / 'judge'} (trained again if missing)", flush=True)
     judge, judge_report = _judge(recipe, out, out / "vae")
     rows = []
+    own = (recipe.demo.sampler, recipe.demo.num_steps) == (_exported_sampler(out), ran.demo.num_steps)
     for g in guidance_scales:
         cfg = replace(recipe, demo=replace(recipe.demo, guidance_scale=float(g)))
-        own = (cfg.demo.sampler, cfg.demo.num_steps) == (_exported_sampler(out), ran.demo.num_steps)
         gdir = out / RESCORE_DIR / (f"guidance-{g:g}" if own else
                                     f"{cfg.demo.sampler}-{cfg.demo.num_steps}-guidance-{g:g}")
         key = json.loads(json.dumps(asdict(cfg.demo), default=str))
@@ -430,10 +430,8 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
         else:
             evaluation = _evaluate(cfg, out, judge, grid_dir=gdir)
             seconds = round(time.perf_counter() - t0, 1)
-            tmp = cached.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"demo": key, "evaluation": evaluation, "seconds": seconds}, indent=1,
-                                      default=str))
-            tmp.replace(cached)
+            atomic_write_bytes(cached, json.dumps({"demo": key, "evaluation": evaluation, "seconds": seconds},
+                                                  indent=1, default=str).encode())
         rows.append(rescore_row(float(g), evaluation, seconds))
         if progress:
             r = rows[-1]

@@ -40,11 +40,21 @@ import shutil
 from pathlib import Path
 
 from latentforge.diffusion.flow_matching import FLOW_MATCHING
-from latentforge.diffusion.schedule import check_scheduler_objective, make_sampler
+from latentforge.diffusion.schedule import NoiseScheduleConfig, check_scheduler_objective, make_sampler
 from latentforge.errors import UserError
 from latentforge.inference import load_components, resolve_checkpoint, run_dir_of
 from latentforge.train.run_files import load_run_files
 from latentforge.models.denoiser import denoiser_for
+
+
+def check_pipeline_sampler(pipeline_class: str, sampler: str, noise: NoiseScheduleConfig, where: str,
+                           use_ddim: str) -> None:
+    """Refuse a sampler that the diffusers pipeline cannot run for the run's noise schedule ``noise``
+    (a flow_matching model with FlowMatchEulerDiscreteScheduler); ``use_ddim`` says how to ask for ddim."""
+    if noise.prediction_type == FLOW_MATCHING and sampler == "euler":
+        raise UserError(f"{where}: {pipeline_class} cannot run FlowMatchEulerDiscreteScheduler (it has no "
+                        f"init_noise_sigma, diffusers 0.42): {use_ddim} (the same Euler step on DPM-Solver's flow "
+                        "sigmas) or dpm++")
 
 
 def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool = True,
@@ -71,10 +81,8 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
     if meta["vae"].get("shift_factor"):
         raise UserError(f"export: the run's VAE has a shift_factor, which {denoiser.pipeline_class} ignores when "
                         "decoding (it decodes latents / scaling_factor): the pipeline could not reproduce this model")
-    if cfg.train.noise.prediction_type == FLOW_MATCHING and scheduler == "euler":
-        raise UserError(f"export: {denoiser.pipeline_class} cannot run FlowMatchEulerDiscreteScheduler (it has no "
-                        "init_noise_sigma, diffusers 0.42): export this flow_matching model with --scheduler ddim "
-                        "(the same Euler step on DPM-Solver's flow sigmas) or dpm++")
+    check_pipeline_sampler(denoiser.pipeline_class, scheduler, cfg.train.noise, "export",
+                           "export this flow_matching model with --scheduler ddim")
     if denoiser.uses_text_mask and not meta["text_encoder"].get("attention_mask", True):
         raise UserError(f"export: the run's captions were encoded without the padding mask, which "
                         f"{denoiser.pipeline_class} always passes to the text encoder: re-encode with it")
