@@ -46,6 +46,7 @@ from latentforge.errors import ConfigError
 from latentforge.models.unet import UNetConfig, build_unet
 from latentforge.train.run import RunConfig, train
 from latentforge.train.trainer import TrainConfig
+from latentforge.train.validation import VAL_LOG
 from latent_fixtures import latent_data  # noqa: F401  (session fixture)
 
 STEPS = 8  # checkpoints every 3: at 3, 6 and 8
@@ -72,6 +73,9 @@ def recipe(data: dict[str, Path], strategy: str, **parallel: Any) -> dict[str, A
             "parallel": {"strategy": strategy, **parallel},
             # A grid at the end: under FSDP2 rank 0 draws it from the consolidated checkpoint.
             "sampling": {"prompts": ["a red circle"], "num_steps": 2},
+            # The validation loss at steps 4 and 8: 7 samples, so that 2 ranks pad their shares.
+            "val": {"data": str(data["latent16"]), "every_steps": 4, "num_samples": 7, "num_timesteps": 3,
+                    "batch_size": 2},
         },
         "loader": {"seed": 1, "caption_dropout": 0.2, "num_workers": 0, "shuffle_window_shards": 2,
                    "cache_dir": str(data["cache"])},
@@ -135,6 +139,12 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in json.loads(line).items() if k not in timed} for line in lines]
 
 
+def validations(run_dir: Path) -> list[dict[str, Any]]:
+    timed = ("seconds", "train_seconds")
+    lines = (run_dir / VAL_LOG).read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in timed} for line in lines]
+
+
 def final(run_dir: Path) -> ckpt.Checkpoint:
     return ckpt.load_checkpoint(ckpt.find_latest(run_dir))
 
@@ -186,6 +196,19 @@ def test_fsdp_matches_one_process(runs):
     assert grids == [f"step-{STEPS:08d}.png"]
 
 
+def test_validation_loss_under_ddp_and_fsdp_matches_one_process(runs):
+    """Each rank denoises its share of the 7 held-out samples (4 and 3, the short one padded);
+    the all-reduced figures are the one-process run's."""
+    ref = validations(runs["none"])
+    assert [r["step"] for r in ref] == [4, 8] and all(r["num_samples"] == 7 and r["ema"] for r in ref)
+    for strategy in ("ddp", "fsdp"):
+        other = validations(runs[strategy])
+        assert [r["step"] for r in other] == [4, 8]
+        for a, b in zip(ref, other):
+            for key in ("loss_by_t", "loss_uncond_by_t"):
+                assert b[key] == pytest.approx(a[key], rel=LOSS_RTOL), (strategy, key)
+
+
 def test_fsdp_consolidated_weights_equal_the_shards(runs):
     """model.safetensors / ema.safetensors of an FSDP checkpoint hold exactly the values of the
     DCP shards, load into a plain U-Net, and the sample path loads them."""
@@ -232,6 +255,7 @@ def test_fsdp_crash_mid_checkpoint_then_resume(runs, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("train: finished") == 1, p.stdout  # only rank 0 prints
     assert metrics(run) == metrics(runs["fsdp"])
+    assert validations(run) == validations(runs["fsdp"])  # step 4's, logged before the crash, dropped and redone
     a, b = final(runs["fsdp"]), final(run)
     assert b.step == STEPS and b.meta["loader"] == a.meta["loader"]
     for group in ("model", "ema"):

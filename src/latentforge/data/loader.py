@@ -763,13 +763,15 @@ def _check_columns(root: str, columns: dict[str, str]) -> None:
             raise UserError(f"{root}: column {name!r} has unknown type {coltype!r}")
 
 
-def _load_empty_prompt(root: str, columns: dict[str, str]) -> dict[str, np.ndarray]:
+def load_empty_prompt(path: str, columns: dict[str, str], what: str = "caption_dropout") -> dict[str, np.ndarray]:
+    """The empty caption's text outputs of the latent dataset at ``path`` (``what`` needs them:
+    named in the error when they are missing), checked against its ``columns``."""
     import safetensors.numpy
 
-    uri = storage.join(root, EMPTY_PROMPT)
+    uri = storage.join(_dataset_root(path), EMPTY_PROMPT)
     if not storage.exists(uri):
-        raise ConfigError(f"caption_dropout: needs {uri} (the empty caption's text embedding, written by the encode "
-                          "step); re-run encode or set caption_dropout: 0")
+        raise ConfigError(f"{what}: needs {uri} (the empty caption's text embedding, written by the encode "
+                          f"step); re-run encode or set {what}: {'0' if what == 'caption_dropout' else 'false'}")
     out = {}
     for name, arr in safetensors.numpy.load(storage.read_bytes(uri)).items():
         coltype = columns.get(name, "")
@@ -825,7 +827,7 @@ def open_dataset(cfg: LoaderConfig) -> LoaderDataset:
 
     empty_prompts = None
     if cfg.caption_dropout > 0 and kind == "latent":
-        empty_prompts = [_load_empty_prompt(r, columns) for r in roots]
+        empty_prompts = [load_empty_prompt(r, columns) for r in roots]
 
     fingerprint = {
         "order_version": ORDER_VERSION,

@@ -177,11 +177,12 @@ class EMA:
         """Evaluate with the EMA weights, then restore the trained ones (costs one copy of the
         model's parameters on their device while inside)."""
         _, params = _parameters(model, self.trainable_only)
+        shards = [_local(p) for p in params]  # sharded (FSDP2) parameters: this rank's shards, as copy_to writes
         with torch.no_grad():
-            backup = [p.clone() for p in params]
+            backup = [t.clone() for t in shards]
         self.copy_to(model)
         try:
             yield model
         finally:
             with torch.no_grad():
-                torch._foreach_copy_(params, backup)
+                torch._foreach_copy_(shards, backup)

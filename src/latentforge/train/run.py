@@ -36,6 +36,7 @@ from latentforge.train.masking import check_kept_tokens
 from latentforge.train.memory import resolve_auto_micro_batch
 from latentforge.train.run_files import DATA_META, TRAIN_CONFIG, RunConfig
 from latentforge.train.trainer import Trainer, TrainConfig, phase_batches
+from latentforge.train.validation import load_validation_set
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,8 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
     eval_fn = evaluator if tcfg.eval.every_steps else None
     if tcfg.eval.every_steps and evaluator is None:  # its inputs fail here too, not after the first every_steps steps
         eval_fn = training_evaluator(cfg.eval, tcfg.eval, run, world)
+    # The held-out latents of the validation loss: read (and checked against the training data) before the run starts.
+    val_set = load_validation_set(tcfg.val, cfg.data, meta) if tcfg.val.every_steps else None
     resume_from = ckpt.resolve_resume(run, resume)
     if world.is_main:
         run.mkdir(parents=True, exist_ok=True)
@@ -211,7 +214,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
     flops, peak = _flops_and_peak(tcfg, device, model_config, source)
     trainer = Trainer(tcfg, model, make_loader, run, meta, world=world, device=device, sample_fn=sample_fn,
                       progress=progress, flops_per_image=flops, peak_flops=peak, on_checkpoint=on_checkpoint,
-                      train_model=train_model, eval_fn=eval_fn, stop=stop)
+                      train_model=train_model, eval_fn=eval_fn, stop=stop, val_set=val_set)
     if resume_from is not None and world.is_main:  # also with --quiet: where a requeued job went on from
         print(f"resuming from {resume_from}", flush=True)
     return trainer.fit(resume_from)

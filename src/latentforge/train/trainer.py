@@ -51,7 +51,7 @@ from latentforge.diffusion.flow_matching import (
 from latentforge.diffusion.objectives import add_noise, diffusion_loss, min_snr_weight, training_target
 from latentforge.diffusion.schedule import NoiseScheduleConfig, alphas_cumprod, snr
 from latentforge.distributed.env import World
-from latentforge.distributed.parallelize import ParallelConfig
+from latentforge.distributed.parallelize import ParallelConfig, reshard
 from latentforge.errors import ConfigError, Problem, Problems, UserError
 from latentforge.interrupt import InterruptConfig, StopOnSignal
 from latentforge.models.denoiser import denoiser_of
@@ -63,6 +63,7 @@ from latentforge.train.masking import MaskingConfig, num_kept_tokens, sample_kee
 from latentforge.train.loggers import MetricLogger, close_loggers, open_loggers
 from latentforge.train.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm
 from latentforge.train.rng import rng_state, set_rng_state
+from latentforge.train.validation import VAL_LOG, ValidationSet, ValLossConfig, validation_times
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +196,8 @@ class TrainConfig:
     sampling: SampleConfig = field(default_factory=SampleConfig, metadata={"help": "periodic sample grids"})
     eval: TrainEvalConfig = field(default_factory=TrainEvalConfig, metadata={
         "help": "evaluation during training (FID/KID/FD/CLIP score of the recipe's eval section)"})
+    val: ValLossConfig = field(default_factory=ValLossConfig, metadata={
+        "help": "the validation loss during training: held-out latents at fixed times and noise (train/validation.py)"})
     log_every: int = field(default=20, metadata={"help": "steps between log lines (each costs a host sync)"})
     nonfinite: Literal["stop", "skip"] = field(default="stop", metadata={
         "help": "on a NaN/inf loss or gradient norm: stop (the last checkpoint stays intact) or skip the step "
@@ -257,7 +260,7 @@ class TrainConfig:
                 problems.add("sampling.sampler: ddpm has no flow-matching form here; use ddim, dpm++ or euler")
         # The nested sections are validated by from_dict already (a check reached twice is reported once);
         # here again for a TrainConfig built in code.
-        for name in ("unet", "dit", "noise", "masking", "optim", "checkpoint", "eval", "interrupt", "parallel"):
+        for name in ("unet", "dit", "noise", "masking", "optim", "checkpoint", "eval", "val", "interrupt", "parallel"):
             problems.nested(name, getattr(self, name))
         for name in ("ema", "lora"):
             if getattr(self, name) is not None:
@@ -401,7 +404,7 @@ class Trainer:
                  flops_per_image: list[float] | None = None, peak_flops: float | None = None,
                  on_checkpoint: Callable[[Path, int], None] | None = None,
                  eval_fn: Callable[["Trainer", Path], dict[str, Any] | None] | None = None,
-                 stop: StopOnSignal | None = None):
+                 stop: StopOnSignal | None = None, val_set: ValidationSet | None = None):
         """``model``: the plain U-Net (its state dict is what is saved); ``train_model``: what the
         forward pass calls (the same module, or a compiled / DDP / FSDP wrapper of it);
         ``make_loader(phase_index, micro_batch_size)``: the rank's loader of a phase;
@@ -412,7 +415,8 @@ class Trainer:
         ``eval_fn(trainer, checkpoint)``: with ``cfg.eval.every_steps``, the evaluation of a
         checkpoint just written (every rank calls it; rank 0 gets the results, the others None);
         ``stop``: the stop request of an entered :class:`StopOnSignal` (None = signals are not
-        handled here, only a stop requested by another rank is followed)."""
+        handled here, only a stop requested by another rank is followed);
+        ``val_set``: the held-out latents of ``cfg.val`` (validated every ``cfg.val.every_steps``)."""
         self.cfg = cfg
         self.model = model
         self.train_model = train_model or model
@@ -426,6 +430,7 @@ class Trainer:
         self.peak_flops = peak_flops
         self.on_checkpoint = on_checkpoint
         self.eval_fn = eval_fn if cfg.eval.every_steps else None
+        self.val_set = val_set if cfg.val.every_steps else None
         # Wall time of the training loop (evaluation excluded) and of the evaluations, over every
         # session of the run (checkpointed): the GPU-hours and dollars that evaluations are logged against.
         self.eval_seconds = 0.0
@@ -573,13 +578,7 @@ class Trainer:
                                       cfg.offset_noise, cfg.sample_posterior and "latent_std" in batch,
                                       self._flow_time(shape) if self.flow else None)
         x0 = self.latents_from_batch(batch, post)
-        t, noise = t.to(self.device), noise.to(self.device)
-        if self.flow:  # t is sigma in [0, 1]; the model is given sigma * T (diffusers' convention)
-            x_t, target = flow_noisy(x0, noise, t), flow_target(x0, noise)
-            t = flow_timestep(t, cfg.noise.num_train_timesteps)
-        else:
-            x_t = add_noise(x0, noise, t, self.alphas_cumprod)
-            target = training_target(x0, noise, t, self.alphas_cumprod, cfg.noise.prediction_type)
+        x_t, target, t = self.noisy(x0, noise.to(self.device), t.to(self.device))
         hidden = batch["text_hidden"].to(self.device, non_blocking=True)
         mask = batch["text_mask"].to(self.device, non_blocking=True) if self.denoiser.uses_text_mask else None
         hidden = hidden.to(self.autocast_dtype or torch.float32)
@@ -601,6 +600,16 @@ class Trainer:
             weights = min_snr_weight(snr(self.alphas_cumprod, t), cfg.min_snr_gamma, cfg.noise.prediction_type,
                                      cfg.min_snr_floor)
         return diffusion_loss(pred, target, weights)
+
+    def noisy(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x_t, the training target, the time as the denoiser takes it) of the run's objective;
+        ``t``: integer timesteps, or flow matching's sigma in [0, 1] (the model is then given
+        sigma * T, diffusers' convention)."""
+        if self.flow:
+            return flow_noisy(x0, noise, t), flow_target(x0, noise), flow_timestep(t, self.cfg.noise.num_train_timesteps)
+        return (add_noise(x0, noise, t, self.alphas_cumprod),
+                training_target(x0, noise, t, self.alphas_cumprod, self.cfg.noise.prediction_type), t)
 
     def masking_ratio(self) -> float:
         """The fraction of patches this phase's training steps drop."""
@@ -649,6 +658,7 @@ class Trainer:
         if self.world.is_main:
             _truncate_history(history_path, self.step)
             _truncate_history(self.run_dir / EVAL_LOG, self.step)
+            _truncate_history(self.run_dir / VAL_LOG, self.step)
         stopped_early = False
         interrupted = None  # the signal that stopped the run
         # A stop asked for before the first step (while the run was being set up): nothing new to save.
@@ -693,6 +703,8 @@ class Trainer:
                         mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
                         bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{rate:.0f}", mfu=mfu)
                         t_log, samples_since_log = now, 0
+                    if self._val_due():  # before the save: a run resumed from this step has it logged
+                        self._validate()
                     end_of_phase = self.step == phase_end
                     out_of_time = (bool(self.cfg.max_seconds) and self.step < self.total_steps
                                    and time.perf_counter() - t_start >= self.cfg.max_seconds)
@@ -751,6 +763,52 @@ class Trainer:
     def _eval_due(self) -> bool:
         every = self.cfg.eval.every_steps
         return self.eval_fn is not None and self.step > 0 and (self.step % every == 0 or self.step == self.total_steps)
+
+    def _val_due(self) -> bool:
+        every = self.cfg.val.every_steps
+        return self.val_set is not None and self.step > 0 and (self.step % every == 0 or self.step == self.total_steps)
+
+    @torch.no_grad()
+    def _validate(self) -> None:
+        """The validation loss of this step's weights (the EMA's with ``val.use_ema``), logged to
+        ``RUN/val.jsonl`` and the metric loggers; its time counts as evaluation, not training."""
+        assert self.val_set is not None
+        started = time.perf_counter()
+        use_ema = self.cfg.val.use_ema and self.ema is not None
+        swap = self.ema.swapped_into(self.model) if use_ema else contextlib.nullcontext()
+        training = self.model.training
+        self.model.eval()
+        uses_mask = self.denoiser.uses_text_mask
+        dtype = self.autocast_dtype or torch.float32
+
+        def forward(x_t: torch.Tensor, t: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            # The plain handle (FSDP2 shards it in place; a compiled or DDP wrapper is not needed without gradients).
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+                return self.denoiser.forward(self.model, x_t, t, hidden.to(dtype), mask if uses_mask else None)
+
+        try:
+            with swap:
+                times = validation_times(self.cfg.val.num_timesteps, self.cfg.noise.num_train_timesteps, self.flow)
+                result = self.val_set.losses(forward, self.noisy, times, self.device, self.world.rank,
+                                             self.world.world_size, self.world.all_reduce_mean)
+                reshard(self.model)  # FSDP2's gathered copies of the EMA weights go before the trained ones return
+        finally:
+            self.model.train(training)
+        seconds = time.perf_counter() - started
+        self._session_eval_seconds += seconds
+        self.eval_seconds += seconds
+        if not self.world.is_main:
+            return
+        record = {"step": self.step, "samples_seen": self.samples_at(self.step),
+                  "train_seconds": self.elapsed_train_seconds(), "seconds": seconds,
+                  "num_samples": self.val_set.num_samples, "ema": use_ema, **result}
+        with open(self.run_dir / VAL_LOG, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        scalars = {f"val/{k}": v for k, v in result.items() if isinstance(v, float)}
+        for lg in self._loggers:
+            lg.log(scalars, self.step)
+        log.info("validation loss at step %d in %.1f s: %s", self.step, seconds,
+                 ", ".join(f"{k}={v:.4g}" for k, v in scalars.items()))
 
     def _evaluate(self, checkpoint: Path) -> None:
         """Run ``eval_fn`` on ``checkpoint`` (this step's) and log its metrics against training
