@@ -36,6 +36,7 @@ TINY = [
     "train.unet.norm_num_groups=16",
     "demo.guidance_scale=4.0",  # ... and the guidance scale (the recipe's is 3 since run 15)
     "train.log_every=10", "train.checkpoint.every_steps=60", "train.eval.every_steps=60",
+    "train.val.every_steps=60", "train.val.num_samples=24",
     "demo.curve_per_combo=4", "demo.prompts_per_combo=8", "demo.wordings=[caption,plain]",
     "demo.new_wording_per_combo=2", "demo.num_steps=10",
     "demo.judge.epochs=1", "demo.judge.num_nonshapes=100",

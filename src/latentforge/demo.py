@@ -133,6 +133,9 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     st.start("encode", "encode latents and text embeddings")
     enc_cfg = replace(recipe.encode, vae=str(vae_dir), text_encoder=recipe.encode.text_encoder or builtin_text_encoder())
     encode_summary = encode_dataset(str(out / "raw"), str(out / "latents"), enc_cfg, progress=progress)
+    if recipe.train.val.every_steps and not recipe.train.val.data:
+        # The held-out renders (combinations no training caption names) for the validation loss during training.
+        encode_dataset(str(out / "raw-heldout"), str(out / "latents-heldout"), enc_cfg, progress=False)
     st.done()
 
     st.start("judge", "train the judge and validate it on clean, degraded and VAE-decoded renders")
@@ -142,7 +145,10 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     st.start("train", f"train the {_BACKBONE_NAMES[recipe.train.model]}" + (", scoring held-out prompts with the judge every "
                                            f"{recipe.train.eval.every_steps} steps" if _curve_on(recipe) else ""))
     phases = [replace(p, datasets=p.datasets or [StreamConfig(path=str(out / "latents"))]) for p in recipe.train.phases]
-    run_cfg = RunConfig(train=replace(recipe.train, phases=phases),
+    val = recipe.train.val
+    if val.every_steps and not val.data:
+        val = replace(val, data=str(out / "latents-heldout"))
+    run_cfg = RunConfig(train=replace(recipe.train, phases=phases, val=val),
                         data=replace(recipe.loader, cache_dir=recipe.loader.cache_dir or str(out / "cache")))
     train_summary = train(run_cfg, out / "run", resume="auto", progress=progress,
                           evaluator=_curve_evaluator(recipe, out, judge) if _curve_on(recipe) else None)
@@ -172,6 +178,7 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
                    "text_encoder": enc_cfg.text_encoder},
         "train": _train_stats(out / "run"),
         "curve": _curve(out / "run") if _curve_on(recipe) and (out / "run" / "eval.jsonl").is_file() else None,
+        "val": _val_curve(out / "run"),
         "evaluation": evaluation,
         "export": export_check,
         "options": _options(recipe, enc_cfg),
@@ -271,6 +278,16 @@ def _curve(run: Path) -> dict[str, Any]:
         {"step": r["step"], "samples_seen": r["samples_seen"], "train_seconds": r["train_seconds"],
          "eval_seconds": r["eval_seconds"], **{k: v for k, v in r["rows"][0].items() if k != "guidance_scale"}}
         for r in read_evaluations(run)]}
+
+
+def _val_curve(run: Path) -> list[dict[str, Any]] | None:
+    """The validation losses during training (``train.val``), as ``RUN/val.jsonl`` holds them."""
+    from latentforge.train.validation import VAL_LOG
+
+    path = run / VAL_LOG
+    if not path.is_file():
+        return None
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 def _real_heldout(out: Path, size: int) -> torch.Tensor:

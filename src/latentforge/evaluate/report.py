@@ -118,6 +118,30 @@ def _curve(curve: dict[str, Any] | None) -> list[str]:
     return lines + [""]
 
 
+def _val(points: list[dict[str, Any]] | None) -> list[str]:
+    """The validation losses during training (``train.val``): per step, and the text gap per fixed time."""
+    if not points:
+        return []
+    first = points[0]
+    times = [f"{t:g}" for t in first["times"]]
+    gap = "loss_uncond_by_t" in first
+    lines = ["### Validation loss during training", "",
+             f"The {'EMA ' if first['ema'] else ''}weights denoise the first {first['num_samples']} held-out renders "
+             f"(latents of combinations no training caption names) at {len(times)} fixed times ({', '.join(times)}) "
+             "with fixed noise; the plain MSE of the training target, the mean over the times"
+             + ("; the same with the empty caption, and the text gap (empty caption minus caption: how much the "
+                "words help the denoiser) per time." if gap else "."), ""]
+    head = ["step", "images seen", "training s", "loss"] + (["empty caption", "text gap"] + [f"gap at {t}" for t in times]
+                                                             if gap else [])
+    lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for p in points:
+        cells = [str(p["step"]), f"{p['samples_seen']:,}", f"{p['train_seconds']:.0f}", f"{p['loss']:.4f}"]
+        if gap:
+            cells += [f"{p['loss_uncond']:.4f}", f"{p['text_gap']:.4f}"] + [f"{g:.4f}" for g in p["text_gap_by_t"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _backbone(options: dict[str, Any]) -> str:
     return "diffusion transformer" if "dit" in options else "U-Net"
 
@@ -180,6 +204,7 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         "![loss](loss.png)" if has_plot else "(matplotlib not installed: no loss plot)",
         "",
         *_curve(r.get("curve")),
+        *_val(r.get("val")),
         "## Options used",
         "",
         *[f"- {k}: {v}" for k, v in r["options"].items()],

@@ -54,11 +54,9 @@ class ValLossConfig:
 
     def validate(self) -> None:
         problems = Problems()
+        # An empty data is valid in a recipe (the demo fills it in); load_validation_set refuses it.
         if self.every_steps < 0:
             problems.add(f"every_steps: must be >= 0, got {self.every_steps}; 0 = no validation loss")
-        elif self.every_steps and not self.data:
-            problems.add(f"data: every_steps is {self.every_steps} but no held-out latent dataset is given: set "
-                         "train.val.data to an encode output (or every_steps: 0)")
         if self.num_samples < 0:
             problems.add(f"num_samples: must be >= 0, got {self.num_samples}; 0 = all")
         if self.num_timesteps < 1:
@@ -155,6 +153,9 @@ class ValidationSet:
 def load_validation_set(cfg: ValLossConfig, data: LoaderConfig, meta: dict[str, Any]) -> ValidationSet:
     """Read the first ``num_samples`` of ``cfg.data`` (index order, no caption dropout), checked
     against the training data's ``meta`` (the same VAE and text encoder, the same latent shape)."""
+    if not cfg.data:
+        raise ConfigError(f"train.val.data: every_steps is {cfg.every_steps} but no held-out latent dataset is given: "
+                          "set train.val.data to an encode output (or every_steps: 0)")
     ds = open_dataset(replace(data, datasets=[StreamConfig(path=cfg.data)], shuffle=False, caption_dropout=0.0,
                               num_workers=0))
     where = f"train.val.data: {cfg.data}"
