@@ -394,6 +394,17 @@ def sample_noise(seed: int, positions: list[int], latent_shape: tuple[int, ...],
     return torch.cat(ts), torch.stack(noises), post
 
 
+def noised(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, schedule: NoiseScheduleConfig,
+           alphas_cumprod: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_t, the training target, the time as the denoiser takes it) of the objective of
+    ``schedule``: flow matching (``t`` its sigma in [0, 1], the model given sigma * T, diffusers'
+    convention; ``alphas_cumprod`` unused) or eps / v (``t`` integer timesteps)."""
+    if schedule.prediction_type == FLOW_MATCHING:
+        return flow_noisy(x0, noise, t), flow_target(x0, noise), flow_timestep(t, schedule.num_train_timesteps)
+    return (add_noise(x0, noise, t, alphas_cumprod),
+            training_target(x0, noise, t, alphas_cumprod, schedule.prediction_type), t)
+
+
 class Trainer:
     """Runs the phases of ``cfg`` on ``model``; see the module docstring."""
 
@@ -606,10 +617,7 @@ class Trainer:
         """(x_t, the training target, the time as the denoiser takes it) of the run's objective;
         ``t``: integer timesteps, or flow matching's sigma in [0, 1] (the model is then given
         sigma * T, diffusers' convention)."""
-        if self.flow:
-            return flow_noisy(x0, noise, t), flow_target(x0, noise), flow_timestep(t, self.cfg.noise.num_train_timesteps)
-        return (add_noise(x0, noise, t, self.alphas_cumprod),
-                training_target(x0, noise, t, self.alphas_cumprod, self.cfg.noise.prediction_type), t)
+        return noised(x0, noise, t, self.cfg.noise, self.alphas_cumprod)
 
     def masking_ratio(self) -> float:
         """The fraction of patches this phase's training steps drop."""
