@@ -6,7 +6,9 @@ Reads each run's ``results.json`` (its ``curve``: the demo's evaluations during 
 held-out images in the caption wording at each point, scored by the judge) and draws held-out
 both-right and position words followed against the seconds of U-Net training at each point, with
 the final evaluation's figure (96 images, the exported pipeline) as an open marker at the end.
-Prints the points it draws.
+Runs with a validation loss during training (``train.val``, the demo's ``val`` points) get two
+more panels: the validation loss and the text gap at the noisiest fixed time, against the same
+seconds. Prints the points it draws.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ def read_curve(run: Path) -> tuple[list[tuple[float, float, float]], dict[str, f
     return points, {"both": caption["both"]["rate"], "position": caption["position"]["rate"]}
 
 
+def read_val(run: Path) -> list[tuple[float, float, float]]:
+    """(train seconds, validation loss, text gap at the noisiest fixed time) per validation; [] without."""
+    points = json.loads((run / "results.json").read_text()).get("val") or []
+    return [(p["train_seconds"], p["loss"], p["text_gap_by_t"][-1]) for p in points if "text_gap_by_t" in p]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
@@ -35,7 +43,9 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axs = plt.subplots(1, 2, figsize=(10, 3.8))
+    vals = {spec: read_val(Path(spec.partition("=")[2])) for spec in args.runs}
+    num_panels = 4 if any(vals.values()) else 2
+    fig, axs = plt.subplots(1, num_panels, figsize=(5 * num_panels, 3.8))
     for spec in args.runs:
         label, _, run = spec.partition("=")
         points, final = read_curve(Path(run))
@@ -44,12 +54,22 @@ def main() -> None:
         for ax, col, key in ((axs[0], 1, "both"), (axs[1], 2, "position")):
             line, = ax.plot([p[0] for p in points], [100 * p[col] for p in points], "o-", ms=4, label=label)
             ax.plot([points[-1][0]], [100 * final[key]], "o", mfc="none", color=line.get_color(), ms=7)
+        if vals[spec]:
+            print(f"{label}: validation " + ", ".join(f"{s:.0f} s loss {v:.4f} gap {g:.3f}" for s, v, g in vals[spec]))
+            for ax, col in ((axs[2], 1), (axs[3], 2)):
+                ax.plot([p[0] for p in vals[spec]], [p[col] for p in vals[spec]], ".-", ms=4, color=line.get_color())
     for ax, title in ((axs[0], "held-out combinations, both right (%)"), (axs[1], "position words followed (%)")):
         ax.set_xlabel("U-Net training seconds")
         ax.set_title(title, fontsize=10)
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
     axs[1].axhline(100 / 9, color="gray", ls=":", lw=1)
+    if num_panels == 4:
+        for ax, title in ((axs[2], "validation loss (held-out latents, 8 fixed times)"),
+                          (axs[3], "text gap at the noisiest time (empty caption - caption)")):
+            ax.set_xlabel("U-Net training seconds")
+            ax.set_title(title, fontsize=10)
+            ax.grid(alpha=0.3)
     axs[0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(args.out, dpi=100)
