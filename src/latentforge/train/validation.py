@@ -122,9 +122,10 @@ class ValidationSet:
         index = torch.where(index < n, index, torch.zeros_like(index))
         index, weight = index[rank::world_size], weight[rank::world_size]
         kinds = ["cond"] + (["uncond"] if self.empty is not None else [])
-        sums = torch.zeros(len(kinds), len(times), dtype=torch.float64)
+        # Summed on the device: one host sync for the whole validation, not one per forward pass.
+        sums = torch.zeros(len(kinds), len(times), dtype=torch.float64, device=device)
         for start in range(0, per_rank, self.cfg.batch_size):
-            idx, w = index[start:start + self.cfg.batch_size], weight[start:start + self.cfg.batch_size]
+            idx, w = index[start:start + self.cfg.batch_size], weight[start:start + self.cfg.batch_size].to(device)
             x0 = self.latents[idx].to(device)
             noise = self.noise[idx].to(device)
             texts = {"cond": (self.hidden[idx].to(device), self.mask[idx].to(device))}
@@ -138,10 +139,10 @@ class ValidationSet:
                 for j, kind in enumerate(kinds):
                     hidden, mask = texts[kind]
                     pred = forward(x_t, t_model, hidden, mask)
-                    sums[j, k] += float((per_sample_mse(pred, target).cpu() * w).sum())
+                    sums[j, k] += (per_sample_mse(pred, target) * w).sum().double()
         if all_reduce_mean is not None and world_size > 1:
-            sums = all_reduce_mean(sums.to(device)).cpu().double() * world_size
-        by_t = (sums / n).tolist()
+            sums = all_reduce_mean(sums) * world_size
+        by_t = (sums.cpu() / n).tolist()
         out: dict[str, Any] = {"times": times.tolist(), "loss": float(np.mean(by_t[0])), "loss_by_t": by_t[0]}
         if self.empty is not None:
             out.update({"loss_uncond": float(np.mean(by_t[1])), "loss_uncond_by_t": by_t[1],
