@@ -25,6 +25,7 @@ def val_of(run: Path, num_samples: int, all_checkpoints: bool) -> list[dict]:
     from latentforge import checkpoint as ckpt
     from latentforge.data.encode import EncodeConfig, encode_dataset
     from latentforge.inference import load_components
+    from latentforge.models.denoiser import denoiser_of
     from latentforge.train.run_files import load_run_files
     from latentforge.diffusion.schedule import alphas_cumprod
     from latentforge.train.trainer import noised
@@ -42,13 +43,14 @@ def val_of(run: Path, num_samples: int, all_checkpoints: bool) -> list[dict]:
     out = []
     for path in paths:
         comps = load_components(path, use_ema=True)
+        denoiser = denoiser_of(comps.unet)  # the U-Net, or the transformer with its caption mask
         noise = cfg.train.noise
         flow = noise.prediction_type == "flow_matching"
         alphas = None if flow else alphas_cumprod(noise)
         times = validation_times(val_cfg.num_timesteps, noise.num_train_timesteps, flow)
         started = time.perf_counter()
         with torch.no_grad():  # the trainer's own noising and target for this run's objective
-            r = vs.losses(lambda x, t, h, m: comps.unet(x, t, encoder_hidden_states=h).sample,
+            r = vs.losses(lambda x, t, h, m: denoiser.forward(comps.unet, x, t, h, m if denoiser.uses_text_mask else None),
                           lambda x0, eps, t: noised(x0, eps, t, noise, alphas), times, torch.device("cpu"))
         out.append({"checkpoint": path.name, "seconds": time.perf_counter() - started, **r})
     return out
