@@ -10,7 +10,6 @@ transformer are listed there), so an exported pipeline reproduces these images f
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from latentforge.errors import UserError
 from latentforge.models.autoencoder import load_vae
 from latentforge.models.text import encode_text, load_text_encoder
 from latentforge.models.denoiser import denoiser_for, denoiser_of
+from latentforge.train.ema import evaluation_weights
 from latentforge.train.run_files import load_run_files
 
 
@@ -179,17 +179,10 @@ def training_sampler(cfg: Any, meta: dict[str, Any], run: Path) -> Callable[[Any
             vae, text_model, tokenizer = load_encoders(meta, trainer.device)
             encoders.update(vae=vae, text_model=text_model, tokenizer=tokenizer)
         s = cfg.sampling
-        model = trainer.model
-        was_training = model.training
-        model.eval()
-        swap = trainer.ema.swapped_into(model) if trainer.ema is not None else contextlib.nullcontext()
-        try:
-            with swap:
-                images = generate(model, encoders["vae"], encoders["text_model"], encoders["tokenizer"], cfg.noise,
-                                  int(meta["text_encoder"]["max_length"]), s.prompts, s.seed, s.num_steps,
-                                  s.guidance_scale, s.sampler)
-        finally:
-            model.train(was_training)
+        with evaluation_weights(trainer.model, trainer.ema) as model:
+            images = generate(model, encoders["vae"], encoders["text_model"], encoders["tokenizer"], cfg.noise,
+                              int(meta["text_encoder"]["max_length"]), s.prompts, s.seed, s.num_steps,
+                              s.guidance_scale, s.sampler)
         out = run / "samples"
         out.mkdir(parents=True, exist_ok=True)
         make_grid(images, s.prompts, scale=max(1, 128 // images[0].width)).save(out / f"step-{step:08d}.png")

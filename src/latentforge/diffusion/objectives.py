@@ -23,6 +23,7 @@ __all__ = [
     "offset_noise",
     "min_snr_weight",
     "sample_timesteps",
+    "per_sample_mse",
     "diffusion_loss",
 ]
 
@@ -105,9 +106,14 @@ def sample_timesteps(
     return t.to(device) if device is not None else t
 
 
+def per_sample_mse(model_pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """MSE per sample, in float32 (Ho et al. 2020, eq. 14, L_simple, before the batch mean)."""
+    return F.mse_loss(model_pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, model_pred.ndim)))
+
+
 def diffusion_loss(model_pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over the batch of (weighted) per-sample MSE, in float32 (Ho et al. 2020, eq. 14, L_simple)."""
-    per_sample = F.mse_loss(model_pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, model_pred.ndim)))
+    per_sample = per_sample_mse(model_pred, target)
     if weights is not None:
         per_sample = per_sample * weights.to(per_sample.device, torch.float32)
     return per_sample.mean()

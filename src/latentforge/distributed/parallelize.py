@@ -262,15 +262,3 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     # (more reduce-scatters per step on several ranks, a local copy on one).
     return model, None if cfg.cpu_offload else no_sync
 
-
-def reshard(model: nn.Module) -> None:
-    """Free the gathered parameters that FSDP2 keeps after a forward pass without backward (the
-    root, and every block with ``reshard_after_forward: false``, keep them for the backward pass
-    they expect). Needed before the sharded parameters are written (the EMA weights swapped out
-    after a validation): a kept gathered copy would otherwise still hold the old values at the
-    next forward pass. A model that is not sharded: nothing to do."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()

@@ -175,14 +175,45 @@ class EMA:
     @contextmanager
     def swapped_into(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         """Evaluate with the EMA weights, then restore the trained ones (costs one copy of the
-        model's parameters on their device while inside)."""
+        model's parameters on their device while inside). Sharded (FSDP2) parameters are swapped
+        shard by shard, with no gathered copy kept across either swap (see :func:`_reshard`)."""
         _, params = _parameters(model, self.trainable_only)
         shards = [_local(p) for p in params]  # sharded (FSDP2) parameters: this rank's shards, as copy_to writes
         with torch.no_grad():
             backup = [t.clone() for t in shards]
+        _reshard(model)
         self.copy_to(model)
         try:
             yield model
         finally:
+            _reshard(model)
             with torch.no_grad():
                 torch._foreach_copy_(shards, backup)
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters that FSDP2 keeps after a forward pass without backward (the
+    root, and every block with ``reshard_after_forward: false``, keep them for the backward pass
+    they expect): a kept gathered copy would still hold the old values at the next forward pass
+    after the shards are written. A model that is not sharded: nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+@contextmanager
+def evaluation_weights(model: torch.nn.Module, ema: EMA | None) -> Iterator[torch.nn.Module]:
+    """``model`` in eval mode with the EMA weights of ``ema`` (its own weights when None); its
+    weights and train/eval mode are restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        if ema is None:
+            yield model
+        else:
+            with ema.swapped_into(model):
+                yield model
+    finally:
+        model.train(was_training)

@@ -51,13 +51,13 @@ from latentforge.diffusion.flow_matching import (
 from latentforge.diffusion.objectives import add_noise, diffusion_loss, min_snr_weight, training_target
 from latentforge.diffusion.schedule import NoiseScheduleConfig, alphas_cumprod, snr
 from latentforge.distributed.env import World
-from latentforge.distributed.parallelize import ParallelConfig, reshard
+from latentforge.distributed.parallelize import ParallelConfig
 from latentforge.errors import ConfigError, Problem, Problems, UserError
 from latentforge.interrupt import InterruptConfig, StopOnSignal
 from latentforge.models.denoiser import denoiser_of
 from latentforge.models.dit import PRESETS, DiTConfig, dit_diffusers_config, gather_tokens, patchify
 from latentforge.models.unet import UNetConfig
-from latentforge.train.ema import EMA, EMAConfig
+from latentforge.train.ema import EMA, EMAConfig, evaluation_weights
 from latentforge.train.finetune import LoRAConfig, load_trainable_state_dict, trainable_state_dict
 from latentforge.train.masking import MaskingConfig, num_kept_tokens, sample_keep
 from latentforge.train.loggers import MetricLogger, close_loggers, open_loggers
@@ -768,13 +768,15 @@ class Trainer:
             start += steps
         return seen
 
+    def _due(self, every: int) -> bool:
+        """Whether this step is every ``every``-th, or the last."""
+        return self.step > 0 and (self.step % every == 0 or self.step == self.total_steps)
+
     def _eval_due(self) -> bool:
-        every = self.cfg.eval.every_steps
-        return self.eval_fn is not None and self.step > 0 and (self.step % every == 0 or self.step == self.total_steps)
+        return self.eval_fn is not None and self._due(self.cfg.eval.every_steps)
 
     def _val_due(self) -> bool:
-        every = self.cfg.val.every_steps
-        return self.val_set is not None and self.step > 0 and (self.step % every == 0 or self.step == self.total_steps)
+        return self.val_set is not None and self._due(self.cfg.val.every_steps)
 
     @torch.no_grad()
     def _validate(self) -> None:
@@ -783,9 +785,6 @@ class Trainer:
         assert self.val_set is not None
         started = time.perf_counter()
         use_ema = self.cfg.val.use_ema and self.ema is not None
-        swap = self.ema.swapped_into(self.model) if use_ema else contextlib.nullcontext()
-        training = self.model.training
-        self.model.eval()
         uses_mask = self.denoiser.uses_text_mask
         dtype = self.autocast_dtype or torch.float32
 
@@ -794,14 +793,10 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 return self.denoiser.forward(self.model, x_t, t, hidden.to(dtype), mask if uses_mask else None)
 
-        try:
-            with swap:
-                times = validation_times(self.cfg.val.num_timesteps, self.cfg.noise.num_train_timesteps, self.flow)
-                result = self.val_set.losses(forward, self.noisy, times, self.device, self.world.rank,
-                                             self.world.world_size, self.world.all_reduce_mean)
-                reshard(self.model)  # FSDP2's gathered copies of the EMA weights go before the trained ones return
-        finally:
-            self.model.train(training)
+        with evaluation_weights(self.model, self.ema if use_ema else None):
+            times = validation_times(self.cfg.val.num_timesteps, self.cfg.noise.num_train_timesteps, self.flow)
+            result = self.val_set.losses(forward, self.noisy, times, self.device, self.world.rank,
+                                         self.world.world_size, self.world.all_reduce_mean)
         seconds = time.perf_counter() - started
         self._session_eval_seconds += seconds
         self.eval_seconds += seconds

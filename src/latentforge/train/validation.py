@@ -24,10 +24,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from latentforge.data.loader import LoaderConfig, StreamConfig, load_empty_prompt, open_dataset
 from latentforge.data.schema import parse_ndarray, read_index
+from latentforge.diffusion.objectives import per_sample_mse
 from latentforge.errors import ConfigError, Problems
 
 VAL_LOG = "val.jsonl"  # one line per validation (RUN/val.jsonl)
@@ -84,11 +84,6 @@ def validation_noise(seed: int, num_samples: int, shape: tuple[int, ...]) -> tor
         g = torch.Generator().manual_seed((seed * 1_000_003 + i) & 0x7FFF_FFFF_FFFF_FFFF)
         out[i] = torch.randn(shape, generator=g)
     return out
-
-
-def per_sample_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Unweighted MSE per sample, in float32 (Ho et al. 2020, eq. 14, L_simple, before the batch mean)."""
-    return F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
 
 
 class ValidationSet:
