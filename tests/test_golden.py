@@ -105,6 +105,16 @@ def test_rescore_gives_the_demos_figures_at_its_own_scale_and_keeps_the_judge(go
     assert (row["sampler"], row["guidance_scale"]) == ("dpm++", 4.0)
     assert ((out / "rescore" / "dpm++-10-guidance-4" / "heldout.png").read_bytes()
             != (out / "samples" / "heldout.png").read_bytes())
+    # other judge settings: a judge of their own beside the run's, which stays as it was
+    own_eval = (out / "rescore" / "guidance-4" / "evaluation.json").read_bytes()
+    own_meta = (out / "judge" / "judge.json").read_bytes()
+    assert main(["demo", "--quiet", "--out", str(out), "--rescore", "4", "demo.judge.floor=0.9"]) in (None, 0)
+    (other,) = [d for d in (out / "rescore").iterdir() if d.name.startswith("judge-") and "guidance" not in d.name]
+    assert json.loads((other / "judge.json").read_text())["config"]["floor"] == 0.9
+    assert (out / "rescore" / f"{other.name}-guidance-4" / "evaluation.json").is_file()
+    assert weights.stat().st_mtime_ns == saved_at
+    assert (out / "judge" / "judge.json").read_bytes() == own_meta
+    assert (out / "rescore" / "guidance-4" / "evaluation.json").read_bytes() == own_eval
 
 
 @pytest.mark.slow

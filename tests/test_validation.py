@@ -124,6 +124,15 @@ def test_validation_leaves_training_alone_and_a_resumed_run_logs_the_same_figure
     assert [r["step"] for r in after] == [2, 4]  # step 4 dropped at resume, logged again
     for a, b in zip(before, after):
         assert a["loss_by_t"] == b["loss_by_t"] and a["loss_uncond_by_t"] == b["loss_uncond_by_t"]
+    # `latentforge report` on a run with the validation loss only: its table and plot
+    from latentforge.cli import main
+
+    assert main(["report", str(tmp_path / "a")]) == 0
+    text = (tmp_path / "a" / "report" / "quality.md").read_text()
+    for r in after:
+        assert (f"| {r['step']} | {r['samples_seen']:,} | {NUM_SAMPLES} | {r['loss']:.4f} | {r['loss_uncond']:.4f} | "
+                f"{r['text_gap']:.4f} | {r['text_gap_by_t'][-1]:.4f} |") in text
+    assert (tmp_path / "a" / "report" / "val_loss.png").stat().st_size > 1000
 
 
 def test_ranks_split_the_samples_and_their_sums_make_the_whole():

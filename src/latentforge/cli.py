@@ -484,8 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="output directory: images, results.md/json, tradeoff.png; a rerun resumes")
 
     sp = add("report", cmd_report, "quality against training images, GPU-hours and dollars of a run evaluated during "
-             "training (train.eval.every_steps): markdown + PNG per metric; with --recipe, the recipe's planned cost")
-    sp.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory with eval.jsonl")
+             "training (train.eval.every_steps) and its validation loss (train.val): markdown + PNG per metric; "
+             "with --recipe, the recipe's planned cost")
+    sp.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory with eval.jsonl and/or val.jsonl")
     sp.add_argument("--gpu", help="with --recipe: GPU type of the plan (plan.gpu)")
     sp.add_argument("--gpus", help="with --recipe: GPU count of the plan (the first of plan.gpus)")
     sp.add_argument("--price", type=float, help="with --recipe: dollars per GPU-hour (plan.price_per_gpu_hour)")

@@ -10,6 +10,7 @@ a judge classifier -> export a diffusers pipeline and check it reproduces the sa
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -206,17 +207,18 @@ def _autoencoder(vae: Any) -> Any:
     return run
 
 
-def _judge(recipe: Any, out: Path, vae_dir: Path) -> tuple[Any, dict[str, Any]]:
+def _judge(recipe: Any, out: Path, vae_dir: Path, judge_dir: Path | None = None) -> tuple[Any, dict[str, Any]]:
     """Train the judge at the recipe's settings; validate it at the same settings on fresh renders
     (clean, blurred, down/up-sampled, through the demo's VAE: the ceiling of any denoiser). Saved
-    in ``out/judge``: a rerun, and ``demo --rescore``, use the saved judge while its settings and
-    data stay those of the recipe."""
+    in ``judge_dir`` (default ``out/judge``): a rerun, and ``demo --rescore``, use the saved judge
+    while its settings and data stay those of the recipe."""
     from latentforge.evaluate.judge import build_judge, load_judge, save_judge, validate_judge
     from latentforge.models.autoencoder import load_vae
 
     size = recipe.ingest.image.resolution
     trained_on = {"synth": asdict(recipe.synth), "size": size, "vae": asdict(recipe.vae)}  # the VAE: its validation
-    saved = load_judge(out / "judge", recipe.demo.judge, trained_on)
+    judge_dir = judge_dir or out / "judge"
+    saved = load_judge(judge_dir, recipe.demo.judge, trained_on)
     if saved is not None:
         return saved
     t0 = time.perf_counter()
@@ -226,7 +228,7 @@ def _judge(recipe: Any, out: Path, vae_dir: Path) -> tuple[Any, dict[str, Any]]:
                                           autoencode=_autoencoder(load_vae(str(vae_dir)).eval()))
     report["train_seconds"] = round(t1 - t0, 1)
     report["validate_seconds"] = round(time.perf_counter() - t1, 1)
-    save_judge(judge, recipe.demo.judge, report, out / "judge", trained_on)
+    save_judge(judge, recipe.demo.judge, report, judge_dir, trained_on)
     return judge, report
 
 
@@ -282,12 +284,9 @@ def _curve(run: Path) -> dict[str, Any]:
 
 def _val_curve(run: Path) -> list[dict[str, Any]] | None:
     """The validation losses during training (``train.val``), as ``RUN/val.jsonl`` holds them."""
-    from latentforge.train.validation import VAL_LOG
+    from latentforge.evaluate.curve import read_validations
 
-    path = run / VAL_LOG
-    if not path.is_file():
-        return None
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    return read_validations(run) or None
 
 
 def _real_heldout(out: Path, size: int) -> torch.Tensor:
@@ -409,7 +408,10 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
     evaluation goes to ``OUT/rescore/guidance-G/`` (``SAMPLER-STEPS-guidance-G/`` for another sampler or
     number of steps than the demo's; grids, verdicts, evaluation.json) and is kept by
     a rerun with the same settings; the table of all of them to ``OUT/rescore/rescore.md`` and
-    ``results.json``. At the recipe's own scale it gives the figures of the demo's report."""
+    ``results.json``. At the recipe's own scale it gives the figures of the demo's report. Other
+    ``demo.judge.*`` settings train their own judge into ``OUT/rescore/judge-TAG/`` (TAG: a hash of
+    the settings) and score into ``OUT/rescore/judge-TAG-guidance-G/``; the run's own judge
+    (``OUT/judge``) and evaluations are never replaced."""
     from latentforge.recipe import load_recipe
     from latentforge.storage import atomic_write_bytes
 
@@ -429,15 +431,19 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
         raise UserError(f"--rescore scores the exported model as it is: only demo.* settings (not "
                         f"demo.guidance_scale, given by --rescore) can change; got {bad}")
     recipe, ran = load_recipe(str(out / "recipe.yaml"), overrides), load_recipe(str(out / "recipe.yaml"))
+    # A judge of other settings is trained beside the run's own, never over it: the report's figures
+    # stay reproducible from out/judge.
+    judge_tag = "" if recipe.demo.judge == ran.demo.judge else f"judge-{_settings_tag(recipe.demo.judge)}"
+    judge_dir = out / RESCORE_DIR / judge_tag if judge_tag else out / "judge"
     if progress:
-        print(f"rescore: {out}, the judge of {out / 'judge'} (trained again if missing)", flush=True)
-    judge, judge_report = _judge(recipe, out, out / "vae")
+        print(f"rescore: {out}, the judge of {judge_dir} (trained if missing)", flush=True)
+    judge, judge_report = _judge(recipe, out, out / "vae", judge_dir)
     rows = []
     own = (recipe.demo.sampler, recipe.demo.num_steps) == (_exported_sampler(out), ran.demo.num_steps)
     for g in guidance_scales:
         cfg = replace(recipe, demo=replace(recipe.demo, guidance_scale=float(g)))
-        gdir = out / RESCORE_DIR / (f"guidance-{g:g}" if own else
-                                    f"{cfg.demo.sampler}-{cfg.demo.num_steps}-guidance-{g:g}")
+        name = f"guidance-{g:g}" if own else f"{cfg.demo.sampler}-{cfg.demo.num_steps}-guidance-{g:g}"
+        gdir = out / RESCORE_DIR / (f"{judge_tag}-{name}" if judge_tag else name)
         key = json.loads(json.dumps(asdict(cfg.demo), default=str))
         cached = gdir / "evaluation.json"
         saved = json.loads(cached.read_text()) if cached.is_file() else None
@@ -462,6 +468,12 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
     (out / RESCORE_DIR / "results.json").write_text(json.dumps(result, indent=1, default=str))
     (out / RESCORE_DIR / "rescore.md").write_text(rescore_table(result))
     return result
+
+
+def _settings_tag(cfg: Any) -> str:
+    """A short, stable name for a config's settings (8 hex digits of the SHA-256 of its JSON)."""
+    text = json.dumps(asdict(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def rescore_row(guidance_scale: float, evaluation: dict[str, Any], seconds: float) -> dict[str, Any]:

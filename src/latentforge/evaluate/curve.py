@@ -6,7 +6,9 @@ time of the training loop x ranks), their price, what the evaluations cost, and 
 each guidance scale. This module draws each metric against those three axes and marks where the
 run's own budget ends: its phases' total samples, and the GPU-hours and dollars that the measured
 rate gives for them. With a ``plan`` section (a target GPU with a throughput), it adds what the
-full recipe would cost on that cluster, as ``latentforge plan`` computes it.
+full recipe would cost on that cluster, as ``latentforge plan`` computes it. The validation loss
+(``train.val``, ``RUN/val.jsonl``) gets its own table and plot: the loss and the text gap (empty
+caption minus caption) against training images.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from latentforge.errors import UserError
+from latentforge.train.validation import VAL_LOG
 
 EVAL_LOG = "eval.jsonl"
 REPORT_DIR = "report"
@@ -29,17 +32,24 @@ def run_total_samples(run: Path) -> int:
     from latentforge.train.trainer import phase_batches, phase_num_steps
 
     cfg, _ = load_run_files(run)
-    world_size = int(read_evaluations(run)[-1].get("world_size", 1))
+    world_size = _world_size(run)
     batches = phase_batches(cfg.train, world_size)
     return sum(steps * b[2] for steps, b in zip(phase_num_steps(cfg.train, batches), batches))
 
 
-def read_evaluations(run: Path) -> list[dict[str, Any]]:
-    """The records of ``RUN/eval.jsonl`` in step order (one per evaluated step)."""
-    path = run / EVAL_LOG
-    if not path.is_file():
-        raise UserError(f"{run}: no {EVAL_LOG}; evaluations are written during training when train.eval.every_steps "
-                        "is set (and the recipe's eval section names the metric models)")
+def _world_size(run: Path) -> int:
+    """The ranks of the run's newest evaluation, else of its newest checkpoint, else 1."""
+    if (run / EVAL_LOG).is_file():
+        return int(read_evaluations(run)[-1].get("world_size", 1))
+    from latentforge.checkpoint import find_latest
+
+    latest = find_latest(run)
+    if latest is not None and (latest / "meta.json").is_file():
+        return int(json.loads((latest / "meta.json").read_text()).get("world_size", 1))
+    return 1
+
+
+def _read_log(path: Path) -> list[dict[str, Any]]:
     records = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -48,9 +58,25 @@ def read_evaluations(run: Path) -> list[dict[str, Any]]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             raise UserError(f"{path}: line {i} is not JSON") from None
+    return sorted(records, key=lambda r: r["step"])
+
+
+def read_evaluations(run: Path) -> list[dict[str, Any]]:
+    """The records of ``RUN/eval.jsonl`` in step order (one per evaluated step)."""
+    path = run / EVAL_LOG
+    if not path.is_file():
+        raise UserError(f"{run}: no {EVAL_LOG}; evaluations are written during training when train.eval.every_steps "
+                        "is set (and the recipe's eval section names the metric models)")
+    records = _read_log(path)
     if not records:
         raise UserError(f"{path}: empty; no evaluation has finished yet")
-    return sorted(records, key=lambda r: r["step"])
+    return records
+
+
+def read_validations(run: Path) -> list[dict[str, Any]]:
+    """The records of ``RUN/val.jsonl`` in step order (one per validation loss); none without it."""
+    path = run / VAL_LOG
+    return _read_log(path) if path.is_file() else []
 
 
 def metric_names(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -131,11 +157,14 @@ def quality_table(records: Sequence[dict[str, Any]], metrics: Sequence[str]) -> 
 
 def write_quality_report(run: str | Path, total_samples: int, plan: dict[str, Any] | None = None,
                          out: str | Path | None = None) -> Path:
-    """``RUN/report/quality.md`` and one PNG per metric; returns the markdown path."""
+    """``RUN/report/quality.md`` and one PNG per metric (and the validation loss's, with
+    ``RUN/val.jsonl``; a run with only that gets a report of it alone); returns the markdown path."""
     run = Path(run)
-    records = read_evaluations(run)
     out = Path(out) if out else run / REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
+    validations = read_validations(run)
+    if validations and not (run / EVAL_LOG).is_file():  # a run with the validation loss only
+        return _write_report(out, [f"# Validation loss: {run.name}", ""] + _validation_section(validations, out))
+    records = read_evaluations(run)
     metrics = metric_names(records)
     end = budget_end(records, total_samples)
     last = records[-1]
@@ -152,9 +181,67 @@ def write_quality_report(run: str | Path, total_samples: int, plan: dict[str, An
         lines += [f"The full recipe planned on {plan['gpus']} x {plan['gpu']} (`latentforge plan`): "
                   f"{t['gpu_hours']:,.0f} GPU-hours, {t['days']:.2f} days, ${t['cost']:,.0f} of training.", ""]
     lines += [quality_table(records, metrics)]
+    out.mkdir(parents=True, exist_ok=True)
     for m in metrics:
         png = plot_metric(records, m, end, out / f"{m}.png")
         lines += [f"## {m}", "", f"![{m}]({png.name})", ""]
+    if validations:
+        lines += _validation_section(validations, out)
+    return _write_report(out, lines)
+
+
+def _write_report(out: Path, lines: list[str]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "quality.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def validation_table(records: Sequence[dict[str, Any]]) -> str:
+    """One row per validation: the mean loss over the fixed times, the same with the empty caption,
+    their difference (the text gap), and the gap at the noisiest time."""
+    t_max = records[-1]["times"][-1]
+    head = ["step", "images seen", "samples", "loss", "loss, empty caption", "text gap", f"text gap at t = {t_max}"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in records:
+        cells = [str(r["step"]), f"{r['samples_seen']:,}", str(r["num_samples"]), f"{r['loss']:.4f}",
+                 f"{r['loss_uncond']:.4f}", f"{r['text_gap']:.4f}", f"{r['text_gap_by_t'][-1]:.4f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_validation(records: Sequence[dict[str, Any]], path: Path) -> Path:
+    """One PNG: the validation loss (with and without the caption) and the text gap at the noisiest
+    time, against training images."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["samples_seen"] for r in records]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    a.plot(x, [r["loss"] for r in records], "o-", ms=3, label="caption")
+    a.plot(x, [r["loss_uncond"] for r in records], "o--", ms=3, label="empty caption")
+    a.set_ylabel("validation loss (mean over fixed t)")
+    a.legend(fontsize=7)
+    b.plot(x, [r["text_gap_by_t"][-1] for r in records], "o-", ms=3)
+    b.set_ylabel(f"text gap at t = {records[-1]['times'][-1]}")
+    for ax in (a, b):
+        ax.set_xlabel("training images seen")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _validation_section(records: Sequence[dict[str, Any]], out: Path) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    png = plot_validation(records, out / "val_loss.png")
+    last = records[-1]
+    return ["## Validation loss", "",
+            f"`train.val`: {last['num_samples']} held-out samples denoised at {len(last['times'])} fixed times "
+            f"({', '.join(str(t) for t in last['times'])}) with fixed noise, "
+            + ("the EMA weights" if last.get("ema") else "the trained weights")
+            + "; the text gap is the loss with the empty caption minus the loss with the caption.", "",
+            validation_table(records), f"![validation loss]({png.name})", ""]
