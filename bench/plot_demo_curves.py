@@ -1,6 +1,6 @@
 """Held-out accuracy and position words against U-Net training time, one line per demo run.
 
-    python bench/plot_demo_curves.py OUT.png "LABEL=runs/NAME" ["LABEL=runs/NAME" ...]
+    python bench/plot_demo_curves.py OUT.png "LABEL=runs/NAME" ["LABEL=runs/NAME" ...] [--x steps]
 
 Reads each run's ``results.json`` (its ``curve``: the demo's evaluations during training, 48
 held-out images in the caption wording at each point, scored by the judge) and draws held-out
@@ -8,7 +8,8 @@ both-right and position words followed against the seconds of U-Net training at 
 the final evaluation's figure (96 images, the exported pipeline) as an open marker at the end.
 Runs with a validation loss during training (``train.val``, the demo's ``val`` points) get two
 more panels: the validation loss and the text gap at the noisiest fixed time, against the same
-seconds. Prints the points it draws.
+seconds. ``--x steps`` draws against U-Net steps instead (for levers that leave the step's cost
+alone, or runs made on a busy machine, whose seconds measure the load). Prints the points it draws.
 """
 
 from __future__ import annotations
@@ -18,48 +19,52 @@ import json
 from pathlib import Path
 
 
-def read_curve(run: Path) -> tuple[list[tuple[float, float, float]], dict[str, float]]:
-    """((train seconds, held-out both, position) per curve point, the final held-out figures)."""
+def read_curve(run: Path, x: str = "train_seconds") -> tuple[list[tuple[float, float, float]], dict[str, float]]:
+    """((x, held-out both, position) per curve point, the final held-out figures); x is the point's
+    ``train_seconds`` or ``step``."""
     results = json.loads((run / "results.json").read_text())
-    points = [(p["train_seconds"], p["heldout_both"], p["heldout_position"]) for p in results["curve"]["points"]]
+    points = [(p[x], p["heldout_both"], p["heldout_position"]) for p in results["curve"]["points"]]
     caption = results["evaluation"]["splits"]["heldout"]["wordings"]["caption"]
     return points, {"both": caption["both"]["rate"], "position": caption["position"]["rate"]}
 
 
-def read_val(run: Path) -> list[tuple[float, float, float]]:
-    """(train seconds, validation loss, text gap at the noisiest fixed time) per validation; [] without."""
+def read_val(run: Path, x: str = "train_seconds") -> list[tuple[float, float, float]]:
+    """(x, validation loss, text gap at the noisiest fixed time) per validation; [] without."""
     points = json.loads((run / "results.json").read_text()).get("val") or []
-    return [(p["train_seconds"], p["loss"], p["text_gap_by_t"][-1]) for p in points if "text_gap_by_t" in p]
+    return [(p[x], p["loss"], p["text_gap_by_t"][-1]) for p in points if "text_gap_by_t" in p]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("runs", nargs="+", help="LABEL=RUN_DIR")
+    ap.add_argument("--x", choices=("seconds", "steps"), default="seconds", help="the horizontal axis")
     args = ap.parse_args()
+    xkey, unit, xlabel = (("train_seconds", "s", "U-Net training seconds") if args.x == "seconds"
+                         else ("step", "steps", "U-Net steps"))
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    vals = {spec: read_val(Path(spec.partition("=")[2])) for spec in args.runs}
+    vals = {spec: read_val(Path(spec.partition("=")[2]), xkey) for spec in args.runs}
     num_panels = 4 if any(vals.values()) else 2
     fig, axs = plt.subplots(1, num_panels, figsize=(5 * num_panels, 3.8))
     for spec in args.runs:
         label, _, run = spec.partition("=")
-        points, final = read_curve(Path(run))
-        print(f"{label}: " + ", ".join(f"{s:.0f} s {b:.0%} (position {p:.0%})" for s, b, p in points)
+        points, final = read_curve(Path(run), xkey)
+        print(f"{label}: " + ", ".join(f"{s:.0f} {unit} {b:.0%} (position {p:.0%})" for s, b, p in points)
               + f"; final {final['both']:.0%} (position {final['position']:.0%})")
         for ax, col, key in ((axs[0], 1, "both"), (axs[1], 2, "position")):
             line, = ax.plot([p[0] for p in points], [100 * p[col] for p in points], "o-", ms=4, label=label)
             ax.plot([points[-1][0]], [100 * final[key]], "o", mfc="none", color=line.get_color(), ms=7)
         if vals[spec]:
-            print(f"{label}: validation " + ", ".join(f"{s:.0f} s loss {v:.4f} gap {g:.3f}" for s, v, g in vals[spec]))
+            print(f"{label}: validation " + ", ".join(f"{s:.0f} {unit} loss {v:.4f} gap {g:.3f}" for s, v, g in vals[spec]))
             for ax, col in ((axs[2], 1), (axs[3], 2)):
                 ax.plot([p[0] for p in vals[spec]], [p[col] for p in vals[spec]], ".-", ms=4, color=line.get_color())
     for ax, title in ((axs[0], "held-out combinations, both right (%)"), (axs[1], "position words followed (%)")):
-        ax.set_xlabel("U-Net training seconds")
+        ax.set_xlabel(xlabel)
         ax.set_title(title, fontsize=10)
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
@@ -67,7 +72,7 @@ def main() -> None:
     if num_panels == 4:
         for ax, title in ((axs[2], "validation loss (held-out latents, 8 fixed times)"),
                           (axs[3], "text gap at the noisiest time (empty caption - caption)")):
-            ax.set_xlabel("U-Net training seconds")
+            ax.set_xlabel(xlabel)
             ax.set_title(title, fontsize=10)
             ax.grid(alpha=0.3)
     axs[0].legend(fontsize=7, loc="upper left")

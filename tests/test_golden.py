@@ -65,6 +65,9 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     # The validation loss on the held-out renders' latents (encoded by the demo for it) at the same steps.
     assert [(v["step"], v["num_samples"], len(v["text_gap_by_t"])) for v in r["val"]] == [(60, 24, 8), (120, 24, 8)]
     assert (out / "latents-heldout" / "index.json").is_file() and "### Validation loss during training" in report
+    assert "![validation loss during training](run/report/val_loss.png)" in report
+    assert (out / "run" / "report" / "val_loss.png").is_file() and "## Validation loss" in (
+        out / "run" / "report" / "quality.md").read_text()
     heldout = r["evaluation"]["splits"]["heldout"]
     assert heldout["wordings"]["caption"]["both"]["num"] == 48  # demo.prompts_per_combo=8 x 6 combinations
     assert heldout["wordings"]["plain"]["both"]["num"] == 12  # demo.new_wording_per_combo=2 x 6

@@ -178,3 +178,15 @@ def test_bad_validation_settings_fail_before_training(latent_data, tmp_path):  #
     with pytest.raises(ConfigError, match="holds 'raw' shards"):
         train(cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_report_of_a_validation_without_the_empty_caption(tmp_path):
+    """With train.val.unconditional off the records have no text gap: the report shows the loss alone."""
+    from latentforge.evaluate.curve import plot_validation, validation_table
+
+    records = [{"step": s, "samples_seen": 4 * s, "num_samples": 6, "ema": True, "times": TIMES, "loss": loss,
+                "loss_by_t": [loss] * 4} for s, loss in ((2, 0.25), (4, 0.125))]
+    table = validation_table(records).splitlines()
+    assert table[0] == "| step | images seen | samples | loss |"
+    assert table[2:] == ["| 2 | 8 | 6 | 0.2500 |", "| 4 | 16 | 6 | 0.1250 |"]
+    assert plot_validation(records, tmp_path / "val.png").stat().st_size > 1000

@@ -283,10 +283,14 @@ def _curve(run: Path) -> dict[str, Any]:
 
 
 def _val_curve(run: Path) -> list[dict[str, Any]] | None:
-    """The validation losses during training (``train.val``), as ``RUN/val.jsonl`` holds them."""
-    from latentforge.evaluate.curve import read_validations
+    """The validation losses during training (``train.val``), as ``RUN/val.jsonl`` holds them; without
+    evaluations during training the quality report (RUN/report/) is drawn from them alone."""
+    from latentforge.evaluate.curve import EVAL_LOG, read_validations, run_total_samples, write_quality_report
 
-    return read_validations(run) or None
+    records = read_validations(run)
+    if records and not (run / EVAL_LOG).is_file():
+        write_quality_report(run, run_total_samples(run))
+    return records or None
 
 
 def _real_heldout(out: Path, size: int) -> torch.Tensor:

@@ -198,35 +198,41 @@ def _write_report(out: Path, lines: list[str]) -> Path:
 
 
 def validation_table(records: Sequence[dict[str, Any]]) -> str:
-    """One row per validation: the mean loss over the fixed times, the same with the empty caption,
-    their difference (the text gap), and the gap at the noisiest time."""
-    t_max = records[-1]["times"][-1]
-    head = ["step", "images seen", "samples", "loss", "loss, empty caption", "text gap", f"text gap at t = {t_max}"]
+    """One row per validation: the mean loss over the fixed times and, with ``train.val.unconditional``,
+    the same with the empty caption, their difference (the text gap) and the gap at the noisiest time."""
+    gap = "text_gap_by_t" in records[-1]
+    head = ["step", "images seen", "samples", "loss"]
+    if gap:
+        head += ["loss, empty caption", "text gap", f"text gap at t = {records[-1]['times'][-1]}"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in records:
-        cells = [str(r["step"]), f"{r['samples_seen']:,}", str(r["num_samples"]), f"{r['loss']:.4f}",
-                 f"{r['loss_uncond']:.4f}", f"{r['text_gap']:.4f}", f"{r['text_gap_by_t'][-1]:.4f}"]
+        cells = [str(r["step"]), f"{r['samples_seen']:,}", str(r["num_samples"]), f"{r['loss']:.4f}"]
+        if gap:
+            cells += [f"{r['loss_uncond']:.4f}", f"{r['text_gap']:.4f}", f"{r['text_gap_by_t'][-1]:.4f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot_validation(records: Sequence[dict[str, Any]], path: Path) -> Path:
     """One PNG: the validation loss (with and without the caption) and the text gap at the noisiest
-    time, against training images."""
+    time, against training images (the loss alone without ``train.val.unconditional``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     x = [r["samples_seen"] for r in records]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    gap = "text_gap_by_t" in records[-1]
+    fig, axs = plt.subplots(1, 2 if gap else 1, figsize=(8.4 if gap else 4.2, 3.4), squeeze=False)
+    a = axs[0][0]
     a.plot(x, [r["loss"] for r in records], "o-", ms=3, label="caption")
-    a.plot(x, [r["loss_uncond"] for r in records], "o--", ms=3, label="empty caption")
     a.set_ylabel("validation loss (mean over fixed t)")
-    a.legend(fontsize=7)
-    b.plot(x, [r["text_gap_by_t"][-1] for r in records], "o-", ms=3)
-    b.set_ylabel(f"text gap at t = {records[-1]['times'][-1]}")
-    for ax in (a, b):
+    if gap:
+        a.plot(x, [r["loss_uncond"] for r in records], "o--", ms=3, label="empty caption")
+        a.legend(fontsize=7)
+        axs[0][1].plot(x, [r["text_gap_by_t"][-1] for r in records], "o-", ms=3)
+        axs[0][1].set_ylabel(f"text gap at t = {records[-1]['times'][-1]}")
+    for ax in axs[0]:
         ax.set_xlabel("training images seen")
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -243,5 +249,6 @@ def _validation_section(records: Sequence[dict[str, Any]], out: Path) -> list[st
             f"`train.val`: {last['num_samples']} held-out samples denoised at {len(last['times'])} fixed times "
             f"({', '.join(str(t) for t in last['times'])}) with fixed noise, "
             + ("the EMA weights" if last.get("ema") else "the trained weights")
-            + "; the text gap is the loss with the empty caption minus the loss with the caption.", "",
+            + ("; the text gap is the loss with the empty caption minus the loss with the caption."
+               if "text_gap_by_t" in last else "."), "",
             validation_table(records), f"![validation loss]({png.name})", ""]

@@ -118,7 +118,7 @@ def _curve(curve: dict[str, Any] | None) -> list[str]:
     return lines + [""]
 
 
-def _val(points: list[dict[str, Any]] | None) -> list[str]:
+def _val(points: list[dict[str, Any]] | None, plot: Path | None = None) -> list[str]:
     """The validation losses during training (``train.val``): per step, and the text gap per fixed time."""
     if not points:
         return []
@@ -139,6 +139,8 @@ def _val(points: list[dict[str, Any]] | None) -> list[str]:
         if gap:
             cells += [f"{p['loss_uncond']:.4f}", f"{p['text_gap']:.4f}"] + [f"{g:.4f}" for g in p["text_gap_by_t"]]
         lines.append("| " + " | ".join(cells) + " |")
+    if plot is not None and plot.exists():
+        lines += ["", "![validation loss during training](run/report/val_loss.png)"]
     return lines + [""]
 
 
@@ -204,7 +206,7 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         "![loss](loss.png)" if has_plot else "(matplotlib not installed: no loss plot)",
         "",
         *_curve(r.get("curve")),
-        *_val(r.get("val")),
+        *_val(r.get("val"), out / "run" / "report" / "val_loss.png"),
         "## Options used",
         "",
         *[f"- {k}: {v}" for k, v in r["options"].items()],
