@@ -190,3 +190,22 @@ def test_the_report_of_a_validation_without_the_empty_caption(tmp_path):
     assert table[0] == "| step | images seen | samples | loss |"
     assert table[2:] == ["| 2 | 8 | 6 | 0.2500 |", "| 4 | 16 | 6 | 0.1250 |"]
     assert plot_validation(records, tmp_path / "val.png").stat().st_size > 1000
+
+
+def test_the_report_of_a_run_with_the_validation_loss_only_gives_the_planned_cost(tmp_path):
+    """`latentforge report --recipe` on a run that logged the validation loss and no sampled
+    evaluations: the plan's cost line and the validation table, nothing about evaluations."""
+    from latentforge.evaluate.curve import write_quality_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"step": s, "samples_seen": 4 * s, "num_samples": 6, "ema": True, "times": TIMES, "loss": loss,
+                "loss_by_t": [loss] * 4} for s, loss in ((2, 0.25), (4, 0.125))]
+    (run / VAL_LOG).write_text("".join(json.dumps(r) + "\n" for r in records))
+    plan = {"gpus": 8, "gpu": "A100-80GB", "train": {"gpu_hours": 1234.0, "days": 6.43, "cost": 2468.0}}
+    text = write_quality_report(run, 16, plan).read_text()
+    assert text.startswith("# Validation loss: run")
+    assert "planned on 8 x A100-80GB (`latentforge plan`): 1,234 GPU-hours, 6.43 days, $2,468 of training." in text
+    assert "| 4 | 16 | 6 | 0.1250 |" in text and "evaluations" not in text
+    assert (run / "report" / "val_loss.png").is_file()
+    assert "planned on" not in write_quality_report(run, 16).read_text()

@@ -161,9 +161,11 @@ def write_quality_report(run: str | Path, total_samples: int, plan: dict[str, An
     ``RUN/val.jsonl``; a run with only that gets a report of it alone); returns the markdown path."""
     run = Path(run)
     out = Path(out) if out else run / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
     validations = read_validations(run)
     if validations and not (run / EVAL_LOG).is_file():  # a run with the validation loss only
-        return _write_report(out, [f"# Validation loss: {run.name}", ""] + _validation_section(validations, out))
+        return _write_report(out, [f"# Validation loss: {run.name}", ""] + _plan_lines(plan)
+                             + _validation_section(validations, out))
     records = read_evaluations(run)
     metrics = metric_names(records)
     end = budget_end(records, total_samples)
@@ -176,12 +178,7 @@ def write_quality_report(run: str | Path, total_samples: int, plan: dict[str, An
              f"The run's phases end at {total_samples:,} training images"
              + (f", {end['gpu_hours']:.4g} GPU-hours at the measured rate" if "gpu_hours" in end else "")
              + (f", ${end['dollars']:.4g}" if "dollars" in end else "") + " (dashed lines).", ""]
-    if plan is not None:
-        t = plan["train"]
-        lines += [f"The full recipe planned on {plan['gpus']} x {plan['gpu']} (`latentforge plan`): "
-                  f"{t['gpu_hours']:,.0f} GPU-hours, {t['days']:.2f} days, ${t['cost']:,.0f} of training.", ""]
-    lines += [quality_table(records, metrics)]
-    out.mkdir(parents=True, exist_ok=True)
+    lines += _plan_lines(plan) + [quality_table(records, metrics)]
     for m in metrics:
         png = plot_metric(records, m, end, out / f"{m}.png")
         lines += [f"## {m}", "", f"![{m}]({png.name})", ""]
@@ -190,8 +187,16 @@ def write_quality_report(run: str | Path, total_samples: int, plan: dict[str, An
     return _write_report(out, lines)
 
 
+def _plan_lines(plan: dict[str, Any] | None) -> list[str]:
+    """What the full recipe costs on the plan's cluster (``latentforge plan``), when there is a plan."""
+    if plan is None:
+        return []
+    t = plan["train"]
+    return [f"The full recipe planned on {plan['gpus']} x {plan['gpu']} (`latentforge plan`): "
+            f"{t['gpu_hours']:,.0f} GPU-hours, {t['days']:.2f} days, ${t['cost']:,.0f} of training.", ""]
+
+
 def _write_report(out: Path, lines: list[str]) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "quality.md"
     path.write_text("\n".join(lines))
     return path
@@ -242,7 +247,6 @@ def plot_validation(records: Sequence[dict[str, Any]], path: Path) -> Path:
 
 
 def _validation_section(records: Sequence[dict[str, Any]], out: Path) -> list[str]:
-    out.mkdir(parents=True, exist_ok=True)
     png = plot_validation(records, out / "val_loss.png")
     last = records[-1]
     return ["## Validation loss", "",
