@@ -161,9 +161,9 @@ def write_quality_report(run: str | Path, total_samples: int, plan: dict[str, An
     ``RUN/val.jsonl``; a run with only that gets a report of it alone); returns the markdown path."""
     run = Path(run)
     out = Path(out) if out else run / REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
     validations = read_validations(run)
     if validations and not (run / EVAL_LOG).is_file():  # a run with the validation loss only
+        out.mkdir(parents=True, exist_ok=True)
         return _write_report(out, [f"# Validation loss: {run.name}", ""] + _plan_lines(plan)
                              + _validation_section(validations, out))
     records = read_evaluations(run)
@@ -179,6 +179,7 @@ def write_quality_report(run: str | Path, total_samples: int, plan: dict[str, An
              + (f", {end['gpu_hours']:.4g} GPU-hours at the measured rate" if "gpu_hours" in end else "")
              + (f", ${end['dollars']:.4g}" if "dollars" in end else "") + " (dashed lines).", ""]
     lines += _plan_lines(plan) + [quality_table(records, metrics)]
+    out.mkdir(parents=True, exist_ok=True)
     for m in metrics:
         png = plot_metric(records, m, end, out / f"{m}.png")
         lines += [f"## {m}", "", f"![{m}]({png.name})", ""]
