@@ -66,6 +66,12 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     assert [(v["step"], v["num_samples"], len(v["text_gap_by_t"])) for v in r["val"]] == [(60, 24, 8), (120, 24, 8)]
     assert (out / "latents-heldout" / "index.json").is_file() and "### Validation loss during training" in report
     assert "![validation loss during training](run/report/val_loss.png)" in report
+    # the judge's shapes through the demo's VAE per shape and size, and what they bound on the held-out combinations
+    validation = r["evaluation"]["judge"]["validation"]
+    by = validation["vae_by_shape_size"]
+    assert sum(c["num"] for sizes in by.values() for c in sizes.values()) == validation["real"]["vae"]["num"]
+    assert "Shapes the judge names in the VAE's reconstructions, per shape and size:" in report
+    assert "bounds the shape (and so both-right) figure of any denoiser on this VAE" in report
     assert (out / "run" / "report" / "val_loss.png").is_file() and "## Validation loss" in (
         out / "run" / "report" / "quality.md").read_text()
     heldout = r["evaluation"]["splits"]["heldout"]

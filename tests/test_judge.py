@@ -17,8 +17,8 @@ from latentforge.errors import ConfigError, UserError
 from latentforge.evaluate import alignment
 from latentforge.evaluate.alignment import Prompt, check_new_wordings, make_prompts, score
 from latentforge.evaluate.judge import (NONE, Judge, JudgeConfig, JudgeEnsemble, agreement, blur, build_judge, chance,
-                                        down_up, features, load_judge, load_labelled, save_judge, validate_judge,
-                                        verdicts, verdicts_of_tensor)
+                                        down_up, features, load_judge, load_labelled, save_judge, shape_by_size,
+                                        shape_ceiling, validate_judge, verdicts, verdicts_of_tensor)
 from latentforge.evaluate.nonshapes import NONSHAPE_KINDS, nonshape_set
 from latentforge.evaluate.stats import wilson_interval
 
@@ -106,6 +106,10 @@ def test_judge_learns_every_attribute_and_says_none(tmp_path, one_thread):
     assert clean["num"] == 150
     assert clean["color"] > 0.9 and clean["position"] > 0.8 and clean["size"] > 0.8, clean
     assert v["real"]["vae"] == clean
+    # per shape and size through the "VAE": the same verdicts, counted per cell
+    by = v["vae_by_shape_size"]
+    assert sum(c["num"] for sizes in by.values() for c in sizes.values()) == 150
+    assert sum(c["right"] for sizes in by.values() for c in sizes.values()) == round(clean["shape"] * 150)
     assert v["nonshapes"]["shape_rejected"] > 0.5, v["nonshapes"]
     # shapes without the confidence floor (this short training is not yet confident on them)
     x, labels, _ = load_labelled(tmp_path / "check", 32)
@@ -117,6 +121,19 @@ def test_judge_learns_every_attribute_and_says_none(tmp_path, one_thread):
     found = verdicts(judge, noise, 32, jcfg.floor)
     assert sum(s != NONE for s in found["shape"]) <= 6, found["shape"]
     assert chance(judge.classes)["both"] == 1 / 36 and chance(judge.classes)["position"] == 1 / 9
+
+
+def test_the_ceiling_per_shape_and_size_and_what_it_bounds():
+    labels = {"shape": ["star", "star", "star", "circle", "circle", None], "size": ["small", "large", "large", "small",
+                                                                                   "large", "small"]}
+    found = ["none", "star", "none", "circle", "circle", "star"]
+    by = shape_by_size(found, labels)
+    assert by == {"star": {"small": {"right": 0, "num": 1}, "large": {"right": 1, "num": 2}},
+                  "circle": {"small": {"right": 1, "num": 1}, "large": {"right": 1, "num": 1}}}
+    # sizes asked equally often: star (0 + 1/2) / 2 = 1/4, circle 1; a prompt per combination
+    assert shape_ceiling(by, ["star", "circle"]) == pytest.approx((0.25 + 1.0) / 2)
+    assert shape_ceiling(by, ["star", "star", "circle"]) == pytest.approx((0.25 + 0.25 + 1.0) / 3)
+    assert shape_ceiling(by, ["cross"]) is None and shape_ceiling(by, []) is None
 
 
 def _tiny_judge(seed: int) -> Judge:

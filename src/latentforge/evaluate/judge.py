@@ -363,6 +363,32 @@ def agreement(found: dict[str, list[str]], wanted: dict[str, Sequence[str | None
     return result
 
 
+def shape_by_size(found: Sequence[str], labels: dict[str, Sequence[str | None]]) -> dict[str, dict[str, dict[str, int]]]:
+    """Per labelled shape and size: how many of the shape verdicts ``found`` name the shape
+    (``{"right", "num"}``), in the order the shapes and sizes first appear."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for got, shape, size in zip(found, labels["shape"], labels["size"]):
+        if shape is None or size is None:
+            continue
+        c = out.setdefault(shape, {}).setdefault(size, {"right": 0, "num": 0})
+        c["num"] += 1
+        c["right"] += int(got == shape)
+    return out
+
+
+def shape_ceiling(by_shape_size: dict[str, dict[str, dict[str, int]]], shapes: Sequence[str]) -> float | None:
+    """The share of ``shapes`` (one entry per prompt combination) that the shape verdicts name right
+    when every size is asked equally often: the mean over the shapes of the mean over their sizes.
+    None when a shape has no render."""
+    rates = []
+    for shape in shapes:
+        sizes = [c for c in by_shape_size.get(shape, {}).values() if c["num"]]
+        if not sizes:
+            return None
+        rates.append(sum(c["right"] / c["num"] for c in sizes) / len(sizes))
+    return sum(rates) / len(rates) if rates else None
+
+
 def _rates(counts: dict[str, dict[str, int]]) -> dict[str, float]:
     out: dict[str, float] = {a: c["right"] / c["num"] for a, c in counts.items() if c["num"]}
     out["num"] = max(c["num"] for c in counts.values())
@@ -384,7 +410,10 @@ def validate_judge(model: Judge | JudgeEnsemble, check_dir: Path, size: int, cfg
             conditions["vae"] = torch.cat([autoencode(x[i:i + 64]) for i in range(0, len(x), 64)]).clamp(-1, 1)
     result: dict = {"floor": cfg.floor, "real": {}}
     for name, xc in conditions.items():
-        result["real"][name] = _rates(agreement(verdicts_of_tensor(model, xc, cfg.floor), labels))
+        found = verdicts_of_tensor(model, xc, cfg.floor)
+        result["real"][name] = _rates(agreement(found, labels))
+        if name == "vae":  # what the autoencoder lets through, per shape and size: the ceiling of any denoiser on it
+            result["vae_by_shape_size"] = shape_by_size(found["shape"], labels)
     non = nonshape_set(max(60, cfg.num_nonshapes // 5), cfg.seed + 7919, int(info["config"]["image_size"]))
     v = verdicts(model, [n.image for n in non], size, cfg.floor)
     rejected = [s == NONE for s, n in zip(v["shape"], non) if n.shape == NONE]
@@ -474,5 +503,5 @@ def chance(classes: dict[str, list[str]]) -> dict[str, float]:
 
 
 __all__ = ["ATTRIBUTES", "COLORS", "NONE", "POSITIONS", "SHAPES", "SIZES", "Judge", "JudgeConfig", "JudgeEnsemble",
-           "agreement", "blur", "build_judge", "chance", "down_up", "features", "load_judge", "save_judge", "to_tensor",
-           "validate_judge", "verdicts", "verdicts_of_tensor"]
+           "agreement", "blur", "build_judge", "chance", "down_up", "features", "load_judge", "save_judge", "shape_by_size",
+           "shape_ceiling", "to_tensor", "validate_judge", "verdicts", "verdicts_of_tensor"]

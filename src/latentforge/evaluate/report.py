@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 
 def plot_loss(run: Path, out_png: Path) -> bool:
@@ -73,7 +73,7 @@ def _per_combo(ev: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _judge_validation(j: dict[str, Any]) -> list[str]:
+def _judge_validation(j: dict[str, Any], heldout_combos: Sequence[str] = ()) -> list[str]:
     v = j["validation"]
     members = j.get("members", 1)
     ensemble = f", {members} judges of consecutive seeds whose probabilities are averaged" if members > 1 else ""
@@ -94,6 +94,29 @@ def _judge_validation(j: dict[str, Any]) -> list[str]:
     if ns.get("color_rejected_by_kind"):
         lines[-1] += (" Colour verdict 'none' on renders with no colour of the six: "
                       + ", ".join(f"{k} {_pct(x)}" for k, x in ns["color_rejected_by_kind"].items()) + ".")
+    return lines + _vae_ceiling(v.get("vae_by_shape_size"), heldout_combos)
+
+
+def _vae_ceiling(by: dict[str, Any] | None, heldout_combos: Sequence[str]) -> list[str]:
+    """The shapes the judge names in the VAE's reconstructions, per shape and size, and what that
+    bounds on the held-out combinations (what the VAE cannot reconstruct, no denoiser on it draws)."""
+    from latentforge.data.synth import SHAPES, SIZES
+    from latentforge.evaluate.judge import shape_ceiling
+
+    if not by:
+        return []
+
+    def order(names: Sequence[str]) -> Any:
+        return lambda item: names.index(item[0]) if item[0] in names else len(names)
+
+    cells = ", ".join(f"{shape} {size} {_pct(c['right'] / c['num'])} ({c['right']}/{c['num']})"
+                      for shape, sizes in sorted(by.items(), key=order(SHAPES))
+                      for size, c in sorted(sizes.items(), key=order(list(SIZES))) if c["num"])
+    lines = ["", f"Shapes the judge names in the VAE's reconstructions, per shape and size: {cells}."]
+    bound = shape_ceiling(by, [combo.split()[-1] for combo in heldout_combos])
+    if bound is not None:
+        lines[-1] += (f" On the held-out combinations, with every size asked equally often, that bounds the shape "
+                      f"(and so both-right) figure of any denoiser on this VAE at about **{_pct(bound)}**.")
     return lines
 
 
@@ -190,7 +213,7 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         "",
         "### The judge's validation",
         "",
-        *_judge_validation(ev["judge"]),
+        *_judge_validation(ev["judge"], ev["splits"]["heldout"]["combos"]),
         "",
         "## Training",
         "",
