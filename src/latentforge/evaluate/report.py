@@ -100,20 +100,16 @@ def _judge_validation(j: dict[str, Any], heldout_combos: Sequence[str] = ()) -> 
 def _vae_ceiling(by: dict[str, Any] | None, heldout_combos: Sequence[str]) -> list[str]:
     """The shapes the judge names in the VAE's reconstructions, per shape and size, and what that
     bounds on the held-out combinations (what the VAE cannot reconstruct, no denoiser on it draws)."""
-    from latentforge.data.synth import SHAPES, SIZES
+    from latentforge.data.synth import SHAPES, SIZES, parse_combo
     from latentforge.evaluate.judge import shape_ceiling
 
     if not by:
         return []
-
-    def order(names: Sequence[str]) -> Any:
-        return lambda item: names.index(item[0]) if item[0] in names else len(names)
-
     cells = ", ".join(f"{shape} {size} {_pct(c['right'] / c['num'])} ({c['right']}/{c['num']})"
-                      for shape, sizes in sorted(by.items(), key=order(SHAPES))
-                      for size, c in sorted(sizes.items(), key=order(list(SIZES))) if c["num"])
+                      for shape in SHAPES if shape in by for size in SIZES
+                      if (c := by[shape].get(size)) and c["num"])
     lines = ["", f"Shapes the judge names in the VAE's reconstructions, per shape and size: {cells}."]
-    bound = shape_ceiling(by, [combo.split()[-1] for combo in heldout_combos])
+    bound = shape_ceiling(by, [parse_combo(combo)[1] for combo in heldout_combos])
     if bound is not None:
         lines[-1] += (f" On the held-out combinations, with every size asked equally often, that bounds the shape "
                       f"(and so both-right) figure of any denoiser on this VAE at about **{_pct(bound)}**.")
