@@ -4,15 +4,18 @@ with the labels assigned by eye in tests/fixtures/judge/.
     python bench/bench_judge.py [--vae runs/demo/vae] [--work /tmp/judge-bench] [--flip-table] [demo.judge.KEY=VALUE ...]
 
 Trains the judge exactly as ``latentforge demo`` does (recipe tiny-cpu: its ``synth`` data and
-``demo.judge``, with the given overrides), validates it as the demo does (``validate_judge`` on
-fresh renders of another seed: clean, blurred, down/up-sampled, through ``--vae`` if given, and
-fresh non-shapes per kind) and prints its agreement with the fixture per attribute, for the
-images of the weak model (000-065), of the stronger one (066-125) and for all, then every
-disagreement. ``--flip-table``: also the shape verdicts at floors 0.5-0.9 with one view, and
-with a horizontally flipped second view (all six shapes are symmetric about the vertical axis)
-whose probabilities are averaged (``mean``) or whose lower probability of the chosen class counts
-(``min``): per row the real renders' shape accuracy per condition, the fresh non-shapes rejected
-and the fixture's shape agreement. Prints figures; the training seconds depend on the machine's load.
+``demo.judge``, with the given overrides; on ``demo.judge.threads`` threads, as the demo),
+validates it as the demo does (``validate_judge`` on fresh renders of another seed: clean,
+blurred, down/up-sampled, through ``--vae`` if given, and fresh non-shapes per kind) and prints
+its agreement with the fixture per attribute: with the first labels for the images of the weak
+model (000-065), of the stronger one (066-125) and for all; for all with the second labeller's
+labels and with the labels both gave; the two labellers' agreement with each other; then every
+disagreement with the first labels. ``--flip-table``: also the shape verdicts at floors 0.5-0.9
+with one view, and with a horizontally flipped second view (all six shapes are symmetric about
+the vertical axis) whose probabilities are averaged (``mean``) or whose lower probability of the
+chosen class counts (``min``): per row the real renders' shape accuracy per condition, the fresh
+non-shapes rejected and the fixture's shape agreement. Prints figures; the training seconds
+depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from PIL import Image
 
 from latentforge.data.synth import generate
-from latentforge.evaluate.judge import ATTRIBUTES, agreement, build_judge, validate_judge, verdicts
+from latentforge.evaluate.judge import ATTRIBUTES, agreed_labels, agreement, build_judge, validate_judge, verdicts
 from latentforge.recipe import load_recipe
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "judge"
@@ -67,6 +70,7 @@ def main() -> None:
     print("  colour 'none' on renders with no colour of the six: "
           + ", ".join(f"{k} {x:.0%}" for k, x in ns["color_rejected_by_kind"].items()))
     rows = [json.loads(line) for line in (FIXTURE / "labels.jsonl").read_text().splitlines() if line]
+    second = [json.loads(line) for line in (FIXTURE / "labels-second.jsonl").read_text().splitlines() if line]
     found = verdicts(judge, [Image.open(FIXTURE / r["file"]) for r in rows], size, cfg.floor)
     parts = {"weak model (000-065)": [i for i, r in enumerate(rows) if int(r["file"][:3]) < 66],
              "stronger model (066-)": [i for i, r in enumerate(rows) if int(r["file"][:3]) >= 66],
@@ -74,6 +78,15 @@ def main() -> None:
     for name, idx in parts.items():
         c = agreement({a: [found[a][i] for i in idx] for a in ATTRIBUTES}, {a: [rows[i][a] for i in idx] for a in ATTRIBUTES})
         print(f"  fixture, {name}: " + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
+    both = agreed_labels(rows, second)
+    for name, wanted in (("the second labeller's labels", {a: [r[a] for r in second] for a in ATTRIBUTES}),
+                         ("the labels both labellers gave", both)):
+        c = agreement(found, wanted)
+        print(f"  fixture, all, {name}: " + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
+    pairs = {a: [(x[a], y[a]) for x, y in zip(rows, second) if x[a] is not None and y[a] is not None]
+             for a in ATTRIBUTES}
+    print("  fixture, the two labellers with each other (images both labelled): "
+          + ", ".join(f"{a} {sum(x == y for x, y in p)}/{len(p)}" for a, p in pairs.items()))
     for i, r in enumerate(rows):
         for a in ATTRIBUTES:
             if r[a] is not None and found[a][i] != r[a]:

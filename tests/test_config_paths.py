@@ -236,6 +236,7 @@ CASES = [
     c("demo.judge.width", "0", "must be >= 1"),
     c("demo.judge.num_nonshapes", "-1", "must be >= 0"),
     c("demo.judge.ensemble", "0", "must be >= 1"),
+    c("demo.judge.threads", "0", "must be >= 1"),
     # eval
     c("eval.guidance_scales", "[]", "empty; give at least one scale"),
     c("eval.guidance_scales", "[-1]", "must be >= 0"),

@@ -16,9 +16,9 @@ from latentforge.data.synth import COLORS, POSITIONS, SHAPES, SIZES, SynthConfig
 from latentforge.errors import ConfigError, UserError
 from latentforge.evaluate import alignment
 from latentforge.evaluate.alignment import Prompt, check_new_wordings, make_prompts, score
-from latentforge.evaluate.judge import (NONE, Judge, JudgeConfig, JudgeEnsemble, agreement, blur, build_judge, chance,
-                                        down_up, features, load_judge, load_labelled, save_judge, shape_by_size,
-                                        shape_ceiling, validate_judge, verdicts, verdicts_of_tensor)
+from latentforge.evaluate.judge import (NONE, Judge, JudgeConfig, JudgeEnsemble, agreed_labels, agreement, blur,
+                                        build_judge, chance, down_up, features, load_judge, load_labelled, save_judge,
+                                        shape_by_size, shape_ceiling, validate_judge, verdicts, verdicts_of_tensor)
 from latentforge.evaluate.nonshapes import NONSHAPE_KINDS, nonshape_set
 from latentforge.evaluate.stats import wilson_interval
 
@@ -218,6 +218,27 @@ def test_a_saved_judge_loads_with_the_same_outputs_and_only_for_its_settings(tmp
         load_judge(tmp_path / "judge", cfg, data)
 
 
+def _fixture_rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (FIXTURE / name).read_text().splitlines() if line]
+
+
+def test_the_fixtures_two_label_sets_name_the_same_images_with_the_datasets_classes():
+    """labels.jsonl (the first labeller) and labels-second.jsonl (a second one, blind to the first
+    and to every judge verdict): every image of the folder once, in the same order, each label a
+    class of the dataset, "none" where the rule allows it, or null (not labelled)."""
+    first, second = _fixture_rows("labels.jsonl"), _fixture_rows("labels-second.jsonl")
+    files = sorted(p.name for p in FIXTURE.glob("*.png"))
+    assert [r["file"] for r in first] == [r["file"] for r in second] == files and len(files) >= 60
+    allowed = {"color": {*COLORS, NONE}, "shape": {*SHAPES, NONE}, "size": set(SIZES), "position": set(POSITIONS)}
+    for rows in (first, second):
+        assert all(r[a] is None or r[a] in allowed[a] for r in rows for a in allowed)
+    a = {"file": "x.png", "color": "red", "shape": "none", "size": None, "position": "top"}
+    b = {"file": "x.png", "color": "red", "shape": "star", "size": "small", "position": "top"}
+    assert agreed_labels([a], [b]) == {"color": ["red"], "shape": [None], "size": [None], "position": ["top"]}
+    with pytest.raises(ValueError, match="same images"):
+        agreed_labels(first, second[::-1])
+
+
 @pytest.fixture(scope="module")
 def demo_judge_on_fixture(tmp_path_factory):
     """The judge exactly as the demo trains it (recipe tiny-cpu: its synth data and demo.judge), its
@@ -228,7 +249,7 @@ def demo_judge_on_fixture(tmp_path_factory):
     synth = tmp_path_factory.mktemp("demo-judge") / "synth"
     generate(synth, recipe.synth, progress=False)
     judge, _ = build_judge([synth], recipe.ingest.image.resolution, recipe.demo.judge)
-    rows = [json.loads(line) for line in (FIXTURE / "labels.jsonl").read_text().splitlines() if line]
+    rows = _fixture_rows("labels.jsonl")
     assert len(rows) >= 60
     images = [Image.open(FIXTURE / r["file"]) for r in rows]
     found = verdicts(judge, images, recipe.ingest.image.resolution, recipe.demo.judge.floor)
@@ -247,11 +268,32 @@ def test_judge_at_the_demo_settings_agrees_with_labels_assigned_by_eye(demo_judg
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
-    "measured: the judge at the demo's settings agrees on the shape of 115 of the 126 fixture images (91%, "
-    "under 95%; 108 on another host, and 112-115 with ensembles of 3-5 judges): it names a shape for 10 near-misses labelled none (a shield, a blob and X-shaped blobs as "
-    "squares, blobs and a smudge as diamonds, a blurred and a clipped round blob as circles, a small "
-    "rotated-square blob as a cross) and rejects one circle; see docs/demo.md. Strict: remove this mark "
-    "once the judge passes."))
+    "measured: the judge at the demo's settings (two threads) agrees on the shape of 108 of the 126 fixture images "
+    "(86%, under 95%; 115 trained on one thread, 112-115 with ensembles of 3-5 judges): it names a shape for "
+    "near-misses that both labellers call none (blobs as diamonds, squares, crosses and circles); and the two "
+    "labellers agree with each other on the shape of only 116 of 126 (tests/fixtures/judge/README.md, "
+    "docs/demo.md). Strict: remove this mark once the judge passes."))
 def test_judge_at_the_demo_settings_agrees_with_shapes_assigned_by_eye(demo_judge_on_fixture):
     counts, wrong = demo_judge_on_fixture
     assert counts["shape"]["right"] >= 0.95 * counts["shape"]["num"], (counts, wrong)
+
+
+def test_the_judge_does_not_depend_on_the_callers_thread_count(tmp_path):
+    """Its weights depend on the thread count it trains with (another reduction order: here one and
+    two threads differ by 1e-7 after these two epochs, and by 7 fixture shapes at the demo's
+    settings), so it trains on ``threads`` whatever the caller set, and the caller's comes back."""
+    generate(tmp_path / "train", SynthConfig(num=64, num_heldout=8, seed=3, image_size=32), progress=False)
+    cfg = JudgeConfig(epochs=2, batch_size=32, num_nonshapes=16, threads=2)
+    before = torch.get_num_threads()
+    weights = []
+    try:
+        for caller in (1, 2):
+            torch.set_num_threads(caller)
+            judge, _ = build_judge([tmp_path / "train"], 32, cfg)
+            assert torch.get_num_threads() == caller
+            weights.append(judge.state_dict())
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(weights[0][k], v) for k, v in weights[1].items())
+    with pytest.raises(ConfigError, match="threads: must be >= 1"):
+        JudgeConfig(threads=0).validate()

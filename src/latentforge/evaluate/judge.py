@@ -69,6 +69,10 @@ class JudgeConfig:
         "help": "judges trained with seeds seed, seed+1, ... (each its own initialisation, augmentation and "
                 "non-shapes) whose softmax probabilities are averaged before the floor; 1 = one judge. "
                 "Training time grows in proportion"})
+    threads: int = field(default=1, metadata={
+        "help": "intra-op threads the judge trains with, whatever the machine has: its weights depend on the "
+                "thread count (another reduction order), so a fixed count gives every machine of the same "
+                "kind the same judge"})
 
     def validate(self) -> None:
         problems = Problems()
@@ -77,7 +81,7 @@ class JudgeConfig:
         for name in ("blur_prob", "resample_prob", "halo_prob", "smear_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 problems.add(f"{name}: must be in [0, 1], got {getattr(self, name)}")
-        for name in ("epochs", "batch_size", "width"):
+        for name in ("epochs", "batch_size", "width", "threads"):
             if getattr(self, name) < 1:
                 problems.add(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.ensemble < 1:
@@ -262,11 +266,17 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
     """Train the judge on the real renders of the ``data synth`` outputs ``train_dirs`` and on
     ``cfg.num_nonshapes`` non-shape renders; deterministic given the data and ``cfg``. With
     ``cfg.ensemble`` K > 1, K judges with seeds ``cfg.seed`` ... ``cfg.seed + K - 1`` as one
-    :class:`JudgeEnsemble` (its first member is the judge that K = 1 gives)."""
+    :class:`JudgeEnsemble` (its first member is the judge that K = 1 gives). Trained on
+    ``cfg.threads`` threads whatever the caller set (restored afterwards)."""
     cfg.validate()
     t0 = time.perf_counter()
     parts = [load_labelled(Path(d), size) for d in train_dirs]
-    members = [_build_member(parts, size, replace(cfg, seed=cfg.seed + i), progress) for i in range(cfg.ensemble)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        members = [_build_member(parts, size, replace(cfg, seed=cfg.seed + i), progress) for i in range(cfg.ensemble)]
+    finally:
+        torch.set_num_threads(before)
     model = members[0] if len(members) == 1 else JudgeEnsemble(members)
     report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": cfg.num_nonshapes,
               "members": len(members), "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor,
@@ -361,6 +371,15 @@ def agreement(found: dict[str, list[str]], wanted: dict[str, Sequence[str | None
         pairs = [(f, w) for f, w in zip(found[a], wanted[a]) if w is not None]
         result[a] = {"right": sum(f == w for f, w in pairs), "num": len(pairs)}
     return result
+
+
+def agreed_labels(first: Sequence[dict], second: Sequence[dict]) -> dict[str, list[str | None]]:
+    """Per attribute the label of each image where two labellers gave the same one (rows of the same
+    images in the same order, each ``{"file", attribute: label or None}``), else None (not counted)."""
+    if [r["file"] for r in first] != [r["file"] for r in second]:
+        raise ValueError("the two label sets must list the same images in the same order")
+    return {a: [x[a] if x[a] is not None and x[a] == y[a] else None for x, y in zip(first, second)]
+            for a in ATTRIBUTES}
 
 
 def shape_by_size(found: Sequence[str], labels: dict[str, Sequence[str | None]]) -> dict[str, dict[str, dict[str, int]]]:
