@@ -124,6 +124,14 @@ def test_validation_leaves_training_alone_and_a_resumed_run_logs_the_same_figure
     assert [r["step"] for r in after] == [2, 4]  # step 4 dropped at resume, logged again
     for a, b in zip(before, after):
         assert a["loss_by_t"] == b["loss_by_t"] and a["loss_uncond_by_t"] == b["loss_uncond_by_t"]
+    # the demo's report stage on such a run draws the quality report from the validation losses;
+    # on a run without them, nothing
+    from latentforge.demo import _quality_report_of_val_only, _val_curve
+
+    assert _val_curve(tmp_path / "a") == after and _val_curve(tmp_path / "b") is None
+    _quality_report_of_val_only(tmp_path / "a")
+    _quality_report_of_val_only(tmp_path / "b")
+    assert (tmp_path / "a" / "report" / "val_loss.png").is_file() and not (tmp_path / "b" / "report").exists()
     # `latentforge report` on a run with the validation loss only: its table and plot
     from latentforge.cli import main
 

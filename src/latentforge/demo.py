@@ -171,6 +171,7 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     st.done()
 
     st.start("report", "write the report")
+    _quality_report_of_val_only(out / "run")
     result = {
         "synth": {k: synth.get(k) for k in ("counts", "heldout")},
         "ingest": {k: ingest_summary[k] for k in ("seen", "written", "num_rejected", "img_per_s")},
@@ -283,14 +284,19 @@ def _curve(run: Path) -> dict[str, Any]:
 
 
 def _val_curve(run: Path) -> list[dict[str, Any]] | None:
-    """The validation losses during training (``train.val``), as ``RUN/val.jsonl`` holds them; without
-    evaluations during training the quality report (RUN/report/) is drawn from them alone."""
+    """The validation losses during training (``train.val``), as ``RUN/val.jsonl`` holds them."""
+    from latentforge.evaluate.curve import read_validations
+
+    return read_validations(run) or None
+
+
+def _quality_report_of_val_only(run: Path) -> None:
+    """Without evaluations during training, the quality report (RUN/report/) drawn from the
+    validation losses alone; with them the curve's evaluator has drawn it already."""
     from latentforge.evaluate.curve import EVAL_LOG, read_validations, run_total_samples, write_quality_report
 
-    records = read_validations(run)
-    if records and not (run / EVAL_LOG).is_file():
+    if read_validations(run) and not (run / EVAL_LOG).is_file():
         write_quality_report(run, run_total_samples(run))
-    return records or None
 
 
 def _real_heldout(out: Path, size: int) -> torch.Tensor:
