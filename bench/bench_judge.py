@@ -9,8 +9,8 @@ validates it as the demo does (``validate_judge`` on fresh renders of another se
 blurred, down/up-sampled, through ``--vae`` if given, and fresh non-shapes per kind) and prints
 its agreement with the fixture per attribute: with the first labels for the images of the weak
 model (000-065), of the stronger one (066-125) and for all; for all with the second labeller's
-labels and with the labels both gave; the two labellers' agreement with each other; then every
-disagreement with the first labels. ``--flip-table``: also the shape verdicts at floors 0.5-0.9
+labels, the third's and the labels all three gave; the labellers' agreement with each other;
+then every disagreement with the first labels. ``--flip-table``: also the shape verdicts at floors 0.5-0.9
 with one view, and with a horizontally flipped second view (all six shapes are symmetric about
 the vertical axis) whose probabilities are averaged (``mean``) or whose lower probability of the
 chosen class counts (``min``): per row the real renders' shape accuracy per condition, the fresh
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from itertools import combinations
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,8 +70,10 @@ def main() -> None:
           + ", ".join(f"{k} {x:.0%}" for k, x in ns["by_kind"].items()) + ")")
     print("  colour 'none' on renders with no colour of the six: "
           + ", ".join(f"{k} {x:.0%}" for k, x in ns["color_rejected_by_kind"].items()))
-    rows = [json.loads(line) for line in (FIXTURE / "labels.jsonl").read_text().splitlines() if line]
-    second = [json.loads(line) for line in (FIXTURE / "labels-second.jsonl").read_text().splitlines() if line]
+    labellers = {name: [json.loads(line) for line in (FIXTURE / file).read_text().splitlines() if line]
+                 for name, file in (("first", "labels.jsonl"), ("second", "labels-second.jsonl"),
+                                    ("third", "labels-third.jsonl"))}
+    rows = labellers["first"]
     found = verdicts(judge, [Image.open(FIXTURE / r["file"]) for r in rows], size, cfg.floor)
     parts = {"weak model (000-065)": [i for i, r in enumerate(rows) if int(r["file"][:3]) < 66],
              "stronger model (066-)": [i for i, r in enumerate(rows) if int(r["file"][:3]) >= 66],
@@ -78,15 +81,15 @@ def main() -> None:
     for name, idx in parts.items():
         c = agreement({a: [found[a][i] for i in idx] for a in ATTRIBUTES}, {a: [rows[i][a] for i in idx] for a in ATTRIBUTES})
         print(f"  fixture, {name}: " + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
-    both = agreed_labels(rows, second)
-    for name, wanted in (("the second labeller's labels", {a: [r[a] for r in second] for a in ATTRIBUTES}),
-                         ("the labels both labellers gave", both)):
-        c = agreement(found, wanted)
+    wanted = {f"the {k} labeller's labels": {a: [r[a] for r in v] for a in ATTRIBUTES} for k, v in labellers.items()}
+    wanted["the labels all three gave"] = agreed_labels(*labellers.values())
+    for name, labels in wanted.items():
+        c = agreement(found, labels)
         print(f"  fixture, all, {name}: " + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
-    pairs = {a: [(x[a], y[a]) for x, y in zip(rows, second) if x[a] is not None and y[a] is not None]
-             for a in ATTRIBUTES}
-    print("  fixture, the two labellers with each other (images both labelled): "
-          + ", ".join(f"{a} {sum(x == y for x, y in p)}/{len(p)}" for a, p in pairs.items()))
+    for (n1, s1), (n2, s2) in combinations(labellers.items(), 2):
+        pairs = {a: [(x[a], y[a]) for x, y in zip(s1, s2) if x[a] is not None and y[a] is not None] for a in ATTRIBUTES}
+        print(f"  fixture, the {n1} and the {n2} labeller with each other (images both labelled): "
+              + ", ".join(f"{a} {sum(x == y for x, y in p)}/{len(p)}" for a, p in pairs.items()))
     for i, r in enumerate(rows):
         for a in ATTRIBUTES:
             if r[a] is not None and found[a][i] != r[a]:

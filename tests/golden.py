@@ -29,6 +29,7 @@ from typing import Iterator
 TINY = [
     "synth.num=300", "synth.num_heldout=120",
     "vae.steps=100", "vae.num_eval=30",
+    "vae.batch_size=16",  # the VAE batch the floor was calibrated at (the recipe's is 8 since run 20)
     "train.phases.0.steps=120", "train.micro_batch_size=16", "train.optim.warmup_steps=10",
     "train.optim.lr=1e-3",  # the learning rate the floor was calibrated at (the recipe's is 2e-3 since)
     # ... and the U-Net (the recipe's is [16, 32, 64] since run 14)

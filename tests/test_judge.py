@@ -222,21 +222,22 @@ def _fixture_rows(name: str) -> list[dict]:
     return [json.loads(line) for line in (FIXTURE / name).read_text().splitlines() if line]
 
 
-def test_the_fixtures_two_label_sets_name_the_same_images_with_the_datasets_classes():
-    """labels.jsonl (the first labeller) and labels-second.jsonl (a second one, blind to the first
-    and to every judge verdict): every image of the folder once, in the same order, each label a
-    class of the dataset, "none" where the rule allows it, or null (not labelled)."""
-    first, second = _fixture_rows("labels.jsonl"), _fixture_rows("labels-second.jsonl")
+def test_the_fixtures_three_label_sets_name_the_same_images_with_the_datasets_classes():
+    """labels.jsonl (the first labeller; the slow tests count it), labels-second.jsonl and
+    labels-third.jsonl (two more labellers, each blind to the others and to every judge verdict):
+    every image of the folder once, in the same order, each label a class of the dataset, "none"
+    where the rule allows it, or null (not labelled)."""
+    sets = [_fixture_rows(f) for f in ("labels.jsonl", "labels-second.jsonl", "labels-third.jsonl")]
     files = sorted(p.name for p in FIXTURE.glob("*.png"))
-    assert [r["file"] for r in first] == [r["file"] for r in second] == files and len(files) >= 60
+    assert all([r["file"] for r in rows] == files for rows in sets) and len(files) >= 60
     allowed = {"color": {*COLORS, NONE}, "shape": {*SHAPES, NONE}, "size": set(SIZES), "position": set(POSITIONS)}
-    for rows in (first, second):
-        assert all(r[a] is None or r[a] in allowed[a] for r in rows for a in allowed)
+    assert all(r[a] is None or r[a] in allowed[a] for rows in sets for r in rows for a in allowed)
     a = {"file": "x.png", "color": "red", "shape": "none", "size": None, "position": "top"}
     b = {"file": "x.png", "color": "red", "shape": "star", "size": "small", "position": "top"}
     assert agreed_labels([a], [b]) == {"color": ["red"], "shape": [None], "size": [None], "position": ["top"]}
+    assert agreed_labels([a], [a], [dict(a, position="left")])["position"] == [None]
     with pytest.raises(ValueError, match="same images"):
-        agreed_labels(first, second[::-1])
+        agreed_labels(sets[0], sets[1][::-1])
 
 
 @pytest.fixture(scope="module")
@@ -270,8 +271,8 @@ def test_judge_at_the_demo_settings_agrees_with_labels_assigned_by_eye(demo_judg
 @pytest.mark.xfail(strict=True, reason=(
     "measured: the judge at the demo's settings (two threads) agrees on the shape of 108 of the 126 fixture images "
     "(86%, under 95%; 115 trained on one thread, 112-115 with ensembles of 3-5 judges): it names a shape for "
-    "near-misses that both labellers call none (blobs as diamonds, squares, crosses and circles); and the two "
-    "labellers agree with each other on the shape of only 116 of 126 (tests/fixtures/judge/README.md, "
+    "near-misses that every labeller calls none (blobs as diamonds, squares, crosses and circles); and two "
+    "labellers agree with each other on the shape of only 108-118 of 126 (tests/fixtures/judge/README.md, "
     "docs/demo.md). Strict: remove this mark once the judge passes."))
 def test_judge_at_the_demo_settings_agrees_with_shapes_assigned_by_eye(demo_judge_on_fixture):
     counts, wrong = demo_judge_on_fixture

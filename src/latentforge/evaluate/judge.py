@@ -373,13 +373,15 @@ def agreement(found: dict[str, list[str]], wanted: dict[str, Sequence[str | None
     return result
 
 
-def agreed_labels(first: Sequence[dict], second: Sequence[dict]) -> dict[str, list[str | None]]:
-    """Per attribute the label of each image where two labellers gave the same one (rows of the same
-    images in the same order, each ``{"file", attribute: label or None}``), else None (not counted)."""
-    if [r["file"] for r in first] != [r["file"] for r in second]:
-        raise ValueError("the two label sets must list the same images in the same order")
-    return {a: [x[a] if x[a] is not None and x[a] == y[a] else None for x, y in zip(first, second)]
-            for a in ATTRIBUTES}
+def agreed_labels(*label_sets: Sequence[dict]) -> dict[str, list[str | None]]:
+    """Per attribute the label of each image where every labeller gave the same one (rows of the
+    same images in the same order, each ``{"file", attribute: label or None}``), else None (not
+    counted)."""
+    files = [[r["file"] for r in rows] for rows in label_sets]
+    if any(f != files[0] for f in files):
+        raise ValueError("the label sets must list the same images in the same order")
+    return {a: [image[0][a] if image[0][a] is not None and all(r[a] == image[0][a] for r in image) else None
+                for image in zip(*label_sets)] for a in ATTRIBUTES}
 
 
 def shape_by_size(found: Sequence[str], labels: dict[str, Sequence[str | None]]) -> dict[str, dict[str, dict[str, int]]]:
