@@ -10,12 +10,12 @@ blurred, down/up-sampled, through ``--vae`` if given, and fresh non-shapes per k
 its agreement with the fixture per attribute: with the first labels for the images of the weak
 model (000-065), of the stronger one (066-125) and for all; for all with the second labeller's
 labels, the third's and the labels all three gave; the labellers' agreement with each other;
-then every disagreement with the first labels. ``--flip-table``: also the shape verdicts at floors 0.5-0.9
-with one view, and with a horizontally flipped second view (all six shapes are symmetric about
-the vertical axis) whose probabilities are averaged (``mean``) or whose lower probability of the
-chosen class counts (``min``): per row the real renders' shape accuracy per condition, the fresh
-non-shapes rejected and the fixture's shape agreement. Prints figures; the training seconds
-depend on the machine's load.
+then every disagreement with the first labels. ``--flip-table``: also the shape verdicts at
+floors 0.5-0.9 with one view, and with a horizontally flipped second view (all six shapes are
+symmetric about the vertical axis) whose probabilities are averaged (``mean``) or whose lower
+probability of the chosen class counts (``min``): per row the real renders' shape accuracy per
+condition, the fresh non-shapes rejected and the fixture's shape agreement. Prints figures; the
+training seconds depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from itertools import combinations
 from dataclasses import replace
+from itertools import combinations
 from pathlib import Path
 
 import torch
@@ -81,7 +81,8 @@ def main() -> None:
     for name, idx in parts.items():
         c = agreement({a: [found[a][i] for i in idx] for a in ATTRIBUTES}, {a: [rows[i][a] for i in idx] for a in ATTRIBUTES})
         print(f"  fixture, {name}: " + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
-    wanted = {f"the {k} labeller's labels": {a: [r[a] for r in v] for a in ATTRIBUTES} for k, v in labellers.items()}
+    wanted = {f"the {k} labeller's labels": {a: [r[a] for r in v] for a in ATTRIBUTES}
+              for k, v in labellers.items() if k != "first"}
     wanted["the labels all three gave"] = agreed_labels(*labellers.values())
     for name, labels in wanted.items():
         c = agreement(found, labels)

@@ -129,6 +129,7 @@ def test_validation_leaves_training_alone_and_a_resumed_run_logs_the_same_figure
     from latentforge.demo import _quality_report_of_val_only, _val_curve
 
     assert _val_curve(tmp_path / "a") == after and _val_curve(tmp_path / "b") is None
+    assert not (tmp_path / "a" / "report").exists()
     _quality_report_of_val_only(tmp_path / "a")
     _quality_report_of_val_only(tmp_path / "b")
     assert (tmp_path / "a" / "report" / "val_loss.png").is_file() and not (tmp_path / "b" / "report").exists()
