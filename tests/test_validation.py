@@ -130,8 +130,8 @@ def test_validation_leaves_training_alone_and_a_resumed_run_logs_the_same_figure
 
     assert _val_curve(tmp_path / "a") == after and _val_curve(tmp_path / "b") is None
     assert not (tmp_path / "a" / "report").exists()
-    _quality_report_of_val_only(tmp_path / "a")
-    _quality_report_of_val_only(tmp_path / "b")
+    _quality_report_of_val_only(tmp_path / "a", _val_curve(tmp_path / "a"))
+    _quality_report_of_val_only(tmp_path / "b", _val_curve(tmp_path / "b"))
     assert (tmp_path / "a" / "report" / "val_loss.png").is_file() and not (tmp_path / "b" / "report").exists()
     # `latentforge report` on a run with the validation loss only: its table and plot
     from latentforge.cli import main

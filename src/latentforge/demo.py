@@ -171,7 +171,8 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     st.done()
 
     st.start("report", "write the report")
-    _quality_report_of_val_only(out / "run")
+    val = _val_curve(out / "run")
+    _quality_report_of_val_only(out / "run", val)
     result = {
         "synth": {k: synth.get(k) for k in ("counts", "heldout")},
         "ingest": {k: ingest_summary[k] for k in ("seen", "written", "num_rejected", "img_per_s")},
@@ -180,7 +181,7 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
                    "text_encoder": enc_cfg.text_encoder},
         "train": _train_stats(out / "run"),
         "curve": _curve(out / "run") if _curve_on(recipe) and (out / "run" / "eval.jsonl").is_file() else None,
-        "val": _val_curve(out / "run"),
+        "val": val,
         "evaluation": evaluation,
         "export": export_check,
         "options": _options(recipe, enc_cfg),
@@ -290,12 +291,13 @@ def _val_curve(run: Path) -> list[dict[str, Any]] | None:
     return read_validations(run) or None
 
 
-def _quality_report_of_val_only(run: Path) -> None:
+def _quality_report_of_val_only(run: Path, val: list[dict[str, Any]] | None) -> None:
     """Without evaluations during training, the quality report (RUN/report/) drawn from the
-    validation losses alone; with them the curve's evaluator has drawn it already."""
-    from latentforge.evaluate.curve import EVAL_LOG, read_validations, run_total_samples, write_quality_report
+    validation losses ``val`` (:func:`_val_curve`) alone; with them the curve's evaluator has drawn
+    it already."""
+    from latentforge.evaluate.curve import EVAL_LOG, run_total_samples, write_quality_report
 
-    if read_validations(run) and not (run / EVAL_LOG).is_file():
+    if val and not (run / EVAL_LOG).is_file():
         write_quality_report(run, run_total_samples(run))
 
 
