@@ -142,6 +142,33 @@ def test_bench_writes_json_that_plan_reads_and_the_planner_matches_the_measured_
     assert "measured by bench on cpu" in plan and "shapes-32px" in plan
 
 
+def test_bench_times_the_step_through_the_recipes_parallel_wrappers(monkeypatch, capsys):
+    """bench applies what one process of ``train`` applies (here activation checkpointing: every
+    U-Net block's forward replaced), and refuses a setting that needs a process group in one line."""
+    from latentforge.distributed import parallelize as par
+    from latentforge.plan.bench import run_bench
+    from latentforge.recipe import load_recipe
+
+    seen = []
+
+    def spy(model, cfg, world, device):
+        out = real(model, cfg, world, device)
+        seen.append((cfg.activation_checkpointing, [b.forward.__name__ for b in par.unet_blocks(model)]))
+        return out
+
+    real = par.parallelize
+    monkeypatch.setattr(par, "parallelize", spy)
+    recipe = load_recipe("tiny-cpu", ["train.parallel.activation_checkpointing=true", "train.micro_batch_size=4"])
+    row, = run_bench(recipe, steps=1, warmup=0, synthetic=True, progress=False)["phases"]
+    assert row["step_seconds"]["median"] > 0
+    (checkpointing, forwards), = seen
+    assert checkpointing and forwards and set(forwards) == {"run"}, forwards  # _checkpointed's wrapper
+    code = main(["bench", "--recipe", "tiny-cpu", "--steps", "1", "train.parallel.strategy=fsdp",
+                 "train.parallel.cpu_offload=true"])
+    err = capsys.readouterr().err
+    assert code != 0 and err.count("\n") == 1 and "needs a process group" in err, err
+
+
 def test_train_with_auto_micro_batch_accumulates_to_the_global_batch(latent_data, tmp_path, monkeypatch, caplog):
     from latentforge.config import from_dict, load_config
     from latentforge.train import memory

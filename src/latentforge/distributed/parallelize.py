@@ -219,7 +219,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
         if cfg.compile:
             # The block's forward (and its checkpointing) is compiled; module hooks, FSDP2's
             # all-gather/reduce-scatter among them, stay outside the compiled region.
-            block.forward = torch.compile(block.forward)
+            block.forward = torch.compile(block.forward, dynamic=False)
     if strategy == "none":
         return model, None
     if strategy == "ddp":

@@ -2,7 +2,9 @@
 
 For each phase of the recipe: build its U-Net, run ``warmup`` + ``steps`` steps of
 ``Trainer.train_step`` (noise, forward, backward, clipping, AdamW) plus the EMA update, one
-micro batch per optimizer step, and report the median step time with its spread, images per
+micro batch per optimizer step, through the wrappers of the recipe's ``train.parallel`` that one
+process applies (``compile``, ``activation_checkpointing``, ``low_precision_norms``; a cold compile
+falls in the warm-up steps, so give ``--warmup`` enough of them), and report the median step time with its spread, images per
 second per device, MFU and peak memory. A run that accumulates gradients steps the optimizer
 less often, so its throughput is up to a few percent higher than measured here.
 
@@ -153,12 +155,17 @@ def _synthetic_batches(shapes, micro: int, seed: int):
 def run_bench(recipe, steps: int = 10, warmup: int = 2, synthetic: bool | None = None,
               progress: bool = True) -> dict[str, Any]:
     """Time every phase of ``recipe`` (see the module docstring); returns what ``bench`` writes."""
+    from latentforge.distributed.env import World
+    from latentforge.distributed.parallelize import parallelize, resolve_strategy
     from latentforge.models.denoiser import denoiser_for
     from latentforge.train.run import latent_meta, pick_device, resolve_model_config
     from latentforge.train.trainer import Trainer
 
     if steps < 1 or warmup < 0:
         raise UserError(f"bench: --steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
+    if resolve_strategy(recipe.train.parallel, 1) != "none":
+        raise UserError("bench: times one process; train.parallel asks for FSDP2 with CPU offload, which needs a "
+                        "process group: time it with `latentforge train` under torchrun instead")
     have_data = _datasets_exist(recipe)
     if synthetic is None:
         synthetic = not have_data
@@ -197,6 +204,9 @@ def run_bench(recipe, steps: int = 10, warmup: int = 2, synthetic: bool | None =
         memory.start()
         torch.manual_seed(train.seed)
         model = build_model(unet_cfg, device)
+        # The wrappers one process trains with (compile, activation checkpointing, low-precision norms):
+        # the step timed is the step `train` runs.
+        train_model, _ = parallelize(model, train.parallel, World(), device)
         with tempfile.TemporaryDirectory(prefix="latentforge-bench-") as tmp:
             loader = None
             if synthetic:
@@ -205,7 +215,8 @@ def run_bench(recipe, steps: int = 10, warmup: int = 2, synthetic: bool | None =
                 loader_cfg = replace(recipe.loader, datasets=phase.datasets)
                 loader = build_loader(loader_cfg, micro)
                 batches = iter(loader)
-            trainer = Trainer(one, model, lambda *_: loader, tmp, meta, device=device, progress=False)
+            trainer = Trainer(one, model, lambda *_: loader, tmp, meta, device=device, progress=False,
+                              train_model=train_model)
             times = []
             try:
                 for step in range(warmup + steps):
