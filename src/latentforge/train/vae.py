@@ -43,6 +43,7 @@ from latentforge.data.schema import read_index, read_shard
 from latentforge.errors import ConfigError, Problems, UserError
 from latentforge.interrupt import InterruptConfig, StopOnSignal
 from latentforge.models.autoencoder import AutoencoderConfig, build_vae
+from latentforge.train.optim import adamw_kernel
 from latentforge.train.rng import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,10 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
     vae = build_vae(cfg.model).to(device)
     vae.train()
     # AdamW on all weights; warmup, then cosine to 5% (constant when only max_seconds bounds the run).
-    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    # The fused kernel: on the demo's VAE (168k parameters, batch 8, CPU) a step took 86 ms against
+    # 95-99 ms with the default (docs/demo.md, run 21).
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99),
+                            **adamw_kernel(torch.device(device).type))
     total = cfg.steps or 10**9
 
     def lr_at(step: int) -> float:
