@@ -141,11 +141,48 @@ def test_custom_preset_builds_and_requires_its_fields():
         ({"in_channels": 0}, "^in_channels: must be a positive integer"),
         ({"transformer_layers_per_block": [1, 0]}, "^transformer_layers_per_block: must be positive"),
         ({"layers_per_block": "two"}, "^layers_per_block: expected"),
+        ({"addition_embed_type": "image"}, "^addition_embed_type: expected .text., got .image."),
+        ({"addition_embed_type": "text", "addition_embed_type_num_heads": 5},
+         "^addition_embed_type_num_heads: 5 heads do not divide cross_attention_dim 384"),
+        ({"addition_embed_type_num_heads": 8}, "^addition_embed_type_num_heads: set without addition_embed_type"),
     ],
 )
 def test_validation_names_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(UNetConfig, {"preset": "tiny", **overrides})
+
+
+def test_pooled_text_conditioning_reaches_the_timestep_embedding_and_round_trips(tmp_path):
+    # No cross-attention in the down/up blocks and the mid block's attention silenced: the caption
+    # can only reach the output through the pooled embedding added to the timestep embedding.
+    def build(**extra):
+        torch.manual_seed(0)
+        model = build_unet(from_dict(UNetConfig, {
+            "preset": "tiny", "down_block_types": ["DownBlock2D", "DownBlock2D"],
+            "up_block_types": ["UpBlock2D", "UpBlock2D"], **extra}))
+        proj = model.mid_block.attentions[0].proj_out
+        torch.nn.init.zeros_(proj.weight)
+        torch.nn.init.zeros_(proj.bias)
+        return model.eval()
+
+    x, t = torch.randn(2, 4, 8, 8), torch.tensor([10, 600])
+    a, b = torch.randn(2, 6, 384), torch.randn(2, 6, 384)
+    with torch.no_grad():
+        plain = build()
+        assert torch.equal(plain(x, t, encoder_hidden_states=a).sample, plain(x, t, encoder_hidden_states=b).sample)
+        pooled = build(addition_embed_type="text", addition_embed_type_num_heads=8)
+        out_a = pooled(x, t, encoder_hidden_states=a).sample
+        assert not torch.allclose(out_a, pooled(x, t, encoder_hidden_states=b).sample)
+    # The pooling's cost in parameters: q/k/v over the 384-d states and a learned query offset, two
+    # norms, one projection to the 64-d timestep embedding.
+    extra = unet_num_params(UNetConfig(preset="tiny", addition_embed_type="text", addition_embed_type_num_heads=8)) \
+        - unet_num_params(UNetConfig(preset="tiny"))
+    assert extra == sum(p.numel() for p in pooled.add_embedding.parameters()) == 3 * 384 * 385 + 384 + 2 * 384 + 385 * 64 + 2 * 64
+    pooled.save_pretrained(tmp_path / "unet")
+    loaded = load_unet(str(tmp_path / "unet")).eval()
+    assert loaded.config.addition_embed_type == "text" and loaded.config.addition_embed_type_num_heads == 8
+    with torch.no_grad():
+        assert torch.equal(loaded(x, t, encoder_hidden_states=a).sample, out_a)
 
 
 def test_resolved_config_is_a_copy():

@@ -173,6 +173,16 @@ class UNetConfig:
     up_block_types: list[str] | None = field(
         default=None, metadata={"help": f"one per level, coarsest first, each one of {', '.join(_UP_BLOCKS)}"}
     )
+    addition_embed_type: Literal["text"] | None = field(
+        default=None, metadata={"help": "text: the caption's states, attention-pooled, projected and added to the "
+                                        "timestep embedding (diffusers' TextTimeEmbedding), so that every ResNet "
+                                        "block sees the caption, not only the cross-attention ones; the pooling "
+                                        "takes every token, padding included (diffusers' takes no mask); null = off"}
+    )
+    addition_embed_type_num_heads: int | None = field(
+        default=None, metadata={"help": "heads of that attention pooling; must divide cross_attention_dim "
+                                        "(diffusers' default: 64)"}
+    )
 
     def overrides(self) -> dict[str, Any]:
         """The fields set explicitly (not ``None``), as diffusers config entries."""
@@ -218,6 +228,16 @@ class UNetConfig:
         layers = c["transformer_layers_per_block"]
         if any(n < 1 for n in (layers if isinstance(layers, list) else [layers])):
             raise ConfigError(f"transformer_layers_per_block: must be positive, got {layers}")
+        kind = c.get("addition_embed_type")  # None or "text": the field's type already checked it
+        pool_heads = c.get("addition_embed_type_num_heads")
+        if pool_heads is not None and kind is None:
+            raise ConfigError("addition_embed_type_num_heads: set without addition_embed_type; "
+                              "set addition_embed_type: text or drop it")
+        if kind == "text":
+            pool_heads = 64 if pool_heads is None else pool_heads
+            if pool_heads < 1 or c["cross_attention_dim"] % pool_heads:
+                raise ConfigError(f"addition_embed_type_num_heads: {pool_heads} heads do not divide "
+                                  f"cross_attention_dim {c['cross_attention_dim']}")
 
 
 def unet_diffusers_config(cfg: UNetConfig, validate: bool = True) -> dict[str, Any]:
