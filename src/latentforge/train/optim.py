@@ -102,14 +102,13 @@ def build_optimizer(
     if cfg.name == "adamw8bit":
         return _adamw8bit(groups, cfg, device_type)
     if cfg.fused == "auto":
-        fused = device_type in _FUSED_DEVICE_TYPES
+        impl = adamw_kernel(device_type)
     else:
-        fused = cfg.fused
-    impl = {"fused": True} if fused else {"foreach": True}
+        impl = {"fused": True} if cfg.fused else {"foreach": True}
     try:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **impl)
     except RuntimeError as e:
-        if fused:
+        if impl.get("fused"):
             raise ConfigError(f"fused: the fused AdamW kernel is not available here ({e}); set optim.fused=false") from None
         raise
 
