@@ -222,7 +222,7 @@ def test_lr_scheduler_follows_the_multiplier_and_resumes_from_its_state():
 def test_lr_scheduler_rejects_warmup_longer_than_training():
     cfg = OptimConfig(warmup_steps=100, schedule="cosine")
     opt = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg, "cpu")
-    with pytest.raises(ConfigError, match="warmup_steps: 100 >= total steps 50"):
+    with pytest.raises(ConfigError, match=r"^train\.optim\.warmup_steps: 100 >= total steps 50"):
         build_lr_scheduler(opt, cfg, total_steps=50)
 
 

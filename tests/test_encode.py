@@ -105,6 +105,17 @@ def test_index_describes_latents_text_and_vae(assets, bert_out):
     assert saved.max_length == MAX_LEN and saved.text_dtype == "float32" and saved.tokenizer == str(assets["bert"])
 
 
+def test_local_model_paths_are_recorded_absolute(assets, tmp_path, monkeypatch):
+    """Given relative to the working directory, the VAE and text encoder are recorded absolute:
+    a run trained, sampled or exported from another directory finds them again."""
+    monkeypatch.chdir(assets["vae"].parent)
+    out = tmp_path / "enc"
+    encode_dataset(str(assets["raw"]), str(out), _cfg(assets, vae="vae", text_encoder="./bert"), progress=False)
+    meta = read_index(str(out)).meta
+    assert meta["vae"]["path"] == str(assets["vae"].resolve())
+    assert meta["text_encoder"]["path"] == meta["text_encoder"]["tokenizer_path"] == str(assets["bert"].resolve())
+
+
 def test_latents_match_a_direct_vae_forward(assets, bert_out):
     rows = _rows(bert_out)
     raw = _raw_samples(assets["raw"])
@@ -261,6 +272,20 @@ def test_config_validation():
         from_dict(EncodeConfig, {"vae": "v", "text_encoder": "t", "storage_dtype": "int8"})
     cfg = from_dict(EncodeConfig, {"vae": "v", "text_encoder": "t", "max_length": None})
     assert cfg.max_length is None and cfg.storage_dtype == "float16"
+
+
+def test_captions_longer_than_max_length_are_counted(assets, tmp_path):
+    """A caption past the encoder's max_length is kept whole in the shard and counted in the
+    summary (its embedding sees the first max_length tokens)."""
+    long = "a red circle " + "on a very long wooden table " * 4
+    tok = AutoTokenizer.from_pretrained(assets["bert"])
+    assert len(tok("a small blue square")["input_ids"]) <= MAX_LEN < len(tok(long)["input_ids"])
+    raw = make_raw_dataset(tmp_path / "raw", n=6, resolution=RES, num_shards=2,
+                           captions=["a small blue square", long, "a small blue square"])
+    summary = encode_dataset(str(raw), str(tmp_path / "out"), _cfg(assets), progress=False)
+    assert summary == {"seen": 6, "written": 6, "rejected": {}, "truncated_captions": 2}
+    assert json.loads((tmp_path / "out" / SUMMARY).read_text()) == summary
+    assert sum(r["caption"] == long for r in _rows(tmp_path / "out")) == 2
 
 
 def test_max_length_is_checked_against_the_encoder(assets, tmp_path):

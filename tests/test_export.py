@@ -385,6 +385,55 @@ def test_incomplete_or_missing_checkpoint_is_refused(run_copy, tmp_path, capsys)
     assert not out.exists()
 
 
+def test_sample_and_export_refuse_a_recipe_or_overrides_they_would_ignore(build_run, tmp_path, capsys):
+    run = build_run("bert").path
+    out = tmp_path / "out"
+    for extra in (["train.optim.lr=1"], ["--recipe", "tiny-cpu"]):
+        assert main(_sample_args(run, out) + extra) == 2
+        _one_error_line(capsys, "sample: takes no recipe or key=value overrides", extra[-1])
+        assert main(["export", "--checkpoint", str(run), "--out", str(out)] + extra) == 2
+        _one_error_line(capsys, "export: takes no recipe or key=value overrides", extra[-1])
+    assert not out.exists()
+
+
+def test_sample_refuses_a_file_for_out_or_checkpoint(build_run, tmp_path, capsys):
+    run = build_run("bert").path
+    (tmp_path / "file").write_text("x")
+    assert main(_sample_args(run, tmp_path / "file")) == 2
+    _one_error_line(capsys, str(tmp_path / "file"), "is a file; --out names a directory")
+    weights = next(ckpt.find_latest(run).glob("*.safetensors"))
+    assert main(_sample_args(weights, tmp_path / "out")) == 2
+    _one_error_line(capsys, str(weights), "is a file; give the checkpoint directory that holds it")
+
+
+def test_a_vae_or_text_encoder_replaced_since_the_encode_is_refused(run_copy, assets, tmp_path, capsys):
+    """The run's data meta names the VAE and text encoder with their fingerprints: weights swapped
+    at those paths since would give wrong images without a word, so sample and export refuse them."""
+    meta_path = run_copy / "data_meta.json"
+    meta = json.loads(meta_path.read_text())
+    for key, asset in (("vae", "vae"), ("text_encoder", "bert")):
+        moved = Path(shutil.copytree(assets[asset], tmp_path / f"{key}-copy"))
+        meta[key]["path"] = str(moved)
+        if key == "text_encoder":
+            meta[key]["tokenizer_path"] = str(moved)
+    meta_path.write_text(json.dumps(meta))
+    assert main(_sample_args(run_copy, tmp_path / "ok")) == 0  # the same weights elsewhere: fine
+    capsys.readouterr()
+    for key in ("vae", "text_encoder"):
+        moved = tmp_path / f"{key}-copy"
+        weights = next(moved.glob("*.safetensors"))
+        tensors = safetensors.torch.load_file(weights)
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name] + 0.5
+        safetensors.torch.save_file(tensors, weights, metadata={"format": "pt"})
+        assert main(_sample_args(run_copy, tmp_path / f"out-{key}") + ["--quiet"]) == 2  # quiet: no loading bars
+        _one_error_line(capsys, str(moved), "not the", "the training data was encoded with")
+        assert main(["export", "--checkpoint", str(run_copy), "--out", str(tmp_path / f"exp-{key}"), "--quiet"]) == 2
+        _one_error_line(capsys, "the training data was encoded with")
+        shutil.rmtree(moved)
+        shutil.copytree(assets["vae" if key == "vae" else "bert"], moved)  # restored for the next key
+
+
 def test_a_checkpoint_outside_its_run_is_refused(run_copy, tmp_path, capsys):
     lone = Path(shutil.copytree(ckpt.find_latest(run_copy), tmp_path / "lone" / "step"))
     assert main(_sample_args(lone, tmp_path / "out")) == 2

@@ -176,6 +176,7 @@ def test_buckets_keep_aspect():
 def test_caption_checks():
     f = ip.FilterConfig(min_caption_chars=3, max_caption_chars=10)
     assert ip.check_caption("  a  red\ncat ", f) == "a red cat"
+    assert ip.check_caption("\ufeffa red cat", f) == "a red cat"
     for cap, reason in [(None, "no_caption"), ("   ", "empty_caption"), ("ab", "caption_too_short"),
                         ("x" * 11, "caption_too_long")]:
         with pytest.raises(ip.Reject) as e:

@@ -279,6 +279,8 @@ def test_encode_stops_between_batches_and_the_rerun_completes_it_exactly(latent_
     p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == EXIT_INTERRUPTED, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1].startswith("encode: interrupted by SIGTERM: the finished shards are kept")
+    assert "encode: SIGTERM received: stopping after the current batch: the finished shards are kept" in p.stderr
+    assert "checkpoint" not in p.stderr  # encode keeps finished shards; it writes no checkpoint
     shards = [s.name for s in read_index(str(raw)).shards]
     assert sorted(f.name for f in out.glob("*.parquet")) == [shards[0]]
     assert sorted(f.name for f in (out / ".progress").glob("shard-*.json")) == [shards[0] + ".json"]

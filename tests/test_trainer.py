@@ -443,6 +443,45 @@ def test_resume_with_another_model_or_objective_is_refused(straight, latent_data
     assert metrics(run_dir) == metrics(straight)  # nothing was touched
 
 
+def test_evaluation_and_validation_without_their_inputs_are_refused_together(latent_data, tmp_path):
+    """A recipe made for the demo's data (an evaluation and a validation loss during training) on
+    other data: both problems in one error, each saying how to turn it off, before the run starts."""
+    with pytest.raises(ConfigError) as e:
+        run(run_config(latent_data, "train.eval.every_steps=2", "train.val.every_steps=2"), tmp_path / "run")
+    lines = str(e.value).splitlines()
+    assert len(lines) == 2 and lines[0].startswith("train.eval.every_steps: ") and lines[1].startswith("train.val.data: ")
+    assert "train.eval.every_steps=0" in lines[0] and "every_steps: 0" in lines[1]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_finished_phase_does_not_grow_on_resume(straight, latent_data, tmp_path):
+    """The straight run finished its one phase: a rerun with more steps for it is refused in one
+    line (it would otherwise end at once as "finished" and train nothing), and nothing is touched."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    config = (run_dir / "train_config.yaml").read_bytes()
+    with pytest.raises(UserError, match=r"phase 0 finished at its \d+ steps; a finished phase does not grow"):
+        run(run_config(latent_data, f"train.phases.0.steps={2 * STEPS}"), run_dir)
+    assert metrics(run_dir) == metrics(straight) and (run_dir / "train_config.yaml").read_bytes() == config
+
+
+def test_resume_with_changed_settings_says_so_and_keeps_the_earlier_config(straight, latent_data, tmp_path, capsys):
+    """Resumed from the middle checkpoint with another learning rate: one line names the change,
+    the config the first half ran with is kept beside the new one."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / f"step-{STEPS:08d}")
+    before = (run_dir / "train_config.yaml").read_text()
+    run(run_config(latent_data, "train.optim.lr=5e-4"), run_dir)
+    out = capsys.readouterr().out
+    kept = f"train_config.until-step-{STEPS // 2:08d}.yaml"
+    assert f"train: resuming with changed settings (train.optim.lr: 0.001 -> 0.0005); the earlier ones are kept in {kept}" in out
+    assert (run_dir / kept).read_text() == before
+    assert "lr: 0.0005" in (run_dir / "train_config.yaml").read_text()
+    run(run_config(latent_data, "train.optim.lr=5e-4"), run_dir)  # the same settings again: no notice
+    assert "changed settings" not in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------- the command line
 
 
@@ -497,7 +536,7 @@ def test_resume_from_weights_that_are_not_safetensors_is_one_line(straight, late
     marker["files"]["model.safetensors"] = {"num_bytes": (newest / "model.safetensors").stat().st_size,
                                             "sha256": ckpt._sha256(newest / "model.safetensors")}
     (newest / ckpt.MARKER).write_text(json.dumps(marker))
-    recipe = _recipe_file(latent_data, tmp_path, f"train.phases.0.steps={STEPS + 2}")
+    recipe = _recipe_file(latent_data, tmp_path)
     assert cli_main(["train", str(run_dir), "--recipe", str(recipe), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"latentforge: error: {newest / 'model.safetensors'}: not a readable safetensors file")

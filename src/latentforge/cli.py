@@ -112,6 +112,9 @@ def cmd_encode(ns, overrides):
         return _exit_code(summary)
     print(f"encode: seen {summary['seen']}, written {summary['written']}, rejected "
           f"{sum(summary['rejected'].values())} -> {ns.out}")
+    if summary.get("truncated_captions"):
+        print(f"encode: {summary['truncated_captions']} captions are longer than the text encoder's max_length "
+              "(encode.max_length): their embeddings see its first tokens only (the shards keep the whole caption)")
 
 
 def cmd_train_vae(ns, overrides):
@@ -231,7 +234,10 @@ def cmd_sample(ns, overrides):
     from latentforge.errors import UserError
     from latentforge.inference import generate, load_components, make_grid
 
+    _no_recipe(ns, overrides, "sample")
     out = Path(ns.out)
+    if out.exists() and not out.is_dir():  # before the images are made, not after
+        raise UserError(f"{out}: is a file; --out names a directory")
     if (out / "grid.png").exists() and not ns.overwrite:
         raise UserError(f"{out}: already holds samples (grid.png); choose another --out or pass --overwrite")
     comps = load_components(ns.checkpoint, use_ema=not ns.no_ema, sampler=ns.sampler)
@@ -246,9 +252,19 @@ def cmd_sample(ns, overrides):
     print(f"sample: {len(images)} images and grid.png -> {out}")
 
 
+def _no_recipe(ns: argparse.Namespace, overrides: list[str], command: str) -> None:
+    """``sample`` and ``export`` use the run's own config: a recipe or override given to them would
+    be ignored, so it is refused."""
+    given = ([f"--recipe {ns.recipe}"] if ns.recipe else []) + overrides
+    if given:
+        raise UserError(f"{command}: takes no recipe or key=value overrides (it uses the run's own config), got "
+                        f"{' '.join(given)}")
+
+
 def cmd_export(ns, overrides):
     from latentforge.export.diffusers_pipeline import export_pipeline
 
+    _no_recipe(ns, overrides, "export")
     out = export_pipeline(ns.checkpoint, ns.out, use_ema=not ns.no_ema, scheduler=ns.scheduler,
                           lora_file=ns.lora_file)
     pipeline = json.loads((out / "latentforge_export.json").read_text())["pipeline"]
@@ -295,6 +311,8 @@ def cmd_report(ns, overrides):
 
     run = Path(ns.run_dir)
     plan = None
+    if overrides and not ns.recipe:
+        raise UserError(f"report: key=value overrides apply to a --recipe's plan; give one, or drop {overrides[0]}")
     if ns.recipe:  # where the full recipe's budget would end on the planned cluster
         from latentforge.plan import cost
         from latentforge.plan.report import plan_config
@@ -584,6 +602,11 @@ def main(argv: list[str] | None = None) -> int:
         # A configuration with several problems lists them all, one line each.
         for line in str(e).splitlines() or [""]:
             print(f"latentforge: error: {line}", file=sys.stderr)
+        return 2
+    except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        # A path of the user's that is of the wrong kind (an --out that is a file, a read-only directory).
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"latentforge: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("latentforge: interrupted (rerun the same command to resume)", file=sys.stderr)

@@ -24,8 +24,8 @@ from latentforge import checkpoint as ckpt
 from latentforge.diffusion.sampling import sample_latents
 from latentforge.diffusion.schedule import NoiseScheduleConfig, check_sampler_name, make_sampler
 from latentforge.errors import UserError
-from latentforge.models.autoencoder import load_vae
-from latentforge.models.text import encode_text, load_text_encoder
+from latentforge.models.autoencoder import load_vae, vae_fingerprint
+from latentforge.models.text import encode_text, load_text_encoder, text_encoder_fingerprint
 from latentforge.models.denoiser import denoiser_for, denoiser_of
 from latentforge.train.ema import evaluation_weights
 from latentforge.train.run_files import load_run_files
@@ -57,6 +57,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     A checkpoint directory is returned even when incomplete: loading it then says what is wrong.
     """
     p = Path(path)
+    if p.is_file():
+        raise UserError(f"{path}: is a file; give the checkpoint directory that holds it, or the run directory")
     if not p.is_dir():
         raise UserError(f"{path}: no such directory; give a checkpoint directory or a run directory")
     if (p / ckpt.MARKER).exists() or (p / ckpt.META).exists():
@@ -68,14 +70,28 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_encoders(meta: dict[str, Any], device: torch.device) -> tuple[Any, Any, Any]:
-    """The VAE, text encoder and tokenizer that encoded the training data (paths from its meta)."""
+    """The VAE, text encoder and tokenizer that encoded the training data (paths from its meta).
+
+    Each is checked against the fingerprint the encode step recorded: a VAE or text encoder
+    replaced at that path since would decode or condition wrongly without a word, so it is refused.
+    """
     text = meta["text_encoder"]
-    vae = load_vae(meta["vae"]["path"], device=device)
+    vae = load_vae(meta["vae"]["path"])
+    _check_fingerprint("VAE", meta["vae"], vae_fingerprint(vae))
     # The encode step may have taken the tokenizer from elsewhere (e.g. a T5 without one).
-    text_model, tokenizer = load_text_encoder(text["path"], device=device, tokenizer=text.get("tokenizer_path"))
+    text_model, tokenizer = load_text_encoder(text["path"], tokenizer=text.get("tokenizer_path"))
+    _check_fingerprint("text encoder", text, text_encoder_fingerprint(text_model, tokenizer))
+    vae, text_model = vae.to(device), text_model.to(device)
     # Condition as the training data was encoded: with or without the padding mask (older data: with).
     text_model.config.use_attention_mask = bool(text.get("attention_mask", True))
     return vae, text_model, tokenizer
+
+
+def _check_fingerprint(what: str, info: dict[str, Any], fingerprint: str) -> None:
+    recorded = info.get("fingerprint")
+    if recorded and recorded != fingerprint:  # data encoded before fingerprints were recorded: nothing to check
+        raise UserError(f"{info['path']}: not the {what} the training data was encoded with (its weights or config "
+                        "changed since): restore it, or re-encode the data and train again")
 
 
 def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | torch.device = "cpu",

@@ -101,13 +101,16 @@ class StopOnSignal:
 
     ``stop_file``: a path whose existence also requests a stop (for jobs that do not run in the
     main thread, see the module docstring); ``what``: the job's name in messages; ``on_signal``:
-    called once, at the first signal (a launcher passes the request on to its workers)."""
+    called once, at the first signal (a launcher passes the request on to its workers); ``stopping``:
+    what the job does on it, as the first message says."""
 
     def __init__(self, cfg: InterruptConfig | None = None, stop_file: str | os.PathLike | None = None,
-                 what: str = "latentforge", on_signal: Callable[[], None] | None = None):
+                 what: str = "latentforge", on_signal: Callable[[], None] | None = None,
+                 stopping: str = "stopping after the current step with a checkpoint"):
         self.cfg = cfg or InterruptConfig()
         self.stop_file = Path(stop_file) if stop_file else None
         self.what = what
+        self.stopping = stopping  # what the first signal's message says the job does
         self.signal_name: str | None = None  # of the first signal received
         self.num_signals = 0
         self.received_at = 0.0  # time.monotonic() of the first signal
@@ -137,8 +140,7 @@ class StopOnSignal:
         if self.signal_name is None:
             self.signal_name = name
             self.received_at = time.monotonic()
-            text = (f"{self.what}: {name} received: stopping after the current step with a checkpoint "
-                    f"(rerun the same command to resume)")
+            text = f"{self.what}: {name} received: {self.stopping} (rerun the same command to resume)"
             if self.on_signal is not None:
                 self.on_signal()
         elif self.saving:

@@ -72,7 +72,7 @@ from latentforge.data.schema import (
 )
 from latentforge.errors import ConfigError, Problems, UserError
 from latentforge.interrupt import InterruptConfig, StopOnSignal
-from latentforge.models.autoencoder import first_line, load_vae, vae_fingerprint, vae_meta
+from latentforge.models.autoencoder import absolute_if_local, first_line, load_vae, vae_fingerprint, vae_meta
 from latentforge.models.text import (
     encode_tokens,
     load_text_encoder,
@@ -311,13 +311,22 @@ class Encoders:
         self.storage = np.dtype(cfg.storage_dtype)
         self.resolved = dataclasses.replace(cfg, max_length=self.max_length, text_dtype=text_dtype,
                                             tokenizer=cfg.tokenizer or cfg.text_encoder)
-        self.vae_info = {"path": cfg.vae, "fingerprint": vae_fp, **vae_meta(self.vae), "dtype": cfg.vae_dtype}
-        self.text_info = {"path": cfg.text_encoder, "tokenizer_path": self.resolved.tokenizer,
+        # Local paths are recorded absolute: training, sampling and export read them from any directory.
+        self.vae_info = {"path": absolute_if_local(cfg.vae), "fingerprint": vae_fp, **vae_meta(self.vae),
+                         "dtype": cfg.vae_dtype}
+        self.text_info = {"path": absolute_if_local(cfg.text_encoder),
+                          "tokenizer_path": absolute_if_local(self.resolved.tokenizer),
                           "fingerprint": text_fp, **text_encoder_meta(self.text, self.tokenizer, self.max_length),
                           "dtype": text_dtype}
 
     def text_arrays(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
         return self.token_arrays(self.tokenize(captions))
+
+    def num_truncated(self, captions: Sequence[str]) -> int:
+        """How many of ``captions`` have more tokens than ``max_length`` (their embeddings see only
+        the first ``max_length``; the shards keep the whole caption)."""
+        ids = self.tokenizer(list(captions), truncation=False, verbose=False)["input_ids"]
+        return sum(len(x) > self.max_length for x in ids)
 
     def tokenize(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
         """The tokens of ``captions`` for :meth:`token_arrays`. A fast tokenizer must not be called
@@ -388,10 +397,12 @@ def build_rows(raw: dict[str, Sequence[Any]], good: Sequence[int], arrays: dict[
     return rows, rejected, kept
 
 
-def shard_record(out: Path, name: str, seen: int, info: ShardInfo, rejected: list[dict[str, str]]) -> dict:
-    """Write the completion record of shard ``name`` (after its file) and return it."""
+def shard_record(out: Path, name: str, seen: int, info: ShardInfo, rejected: list[dict[str, str]],
+                 truncated: int = 0) -> dict:
+    """Write the completion record of shard ``name`` (after its file) and return it; ``truncated``:
+    its captions longer than the text encoder's max_length."""
     done = {"name": name, "seen": seen, "written": info.num_samples, "num_bytes": info.num_bytes,
-            "rejected": rejected}
+            "rejected": rejected, "truncated": truncated}
     storage.atomic_write_bytes(out / PROGRESS / f"{name}.json", json.dumps(done).encode())
     return done
 
@@ -406,12 +417,14 @@ class _Prepared:
     pixels: np.ndarray | None
     tokens: dict[str, torch.Tensor] | None
     rejected: list[dict[str, str]]
+    truncated: int  # good captions longer than the encoder's max_length
 
 
 def _prepare(enc: Encoders, batch: dict[str, list[Any]], size: tuple[int, int], shard: str) -> _Prepared:
     good, pixels, rejected = decode_batch(batch["key"], batch["image"], size, shard)
-    tokens = enc.tokenize([batch["caption"][i] for i in good]) if good else None
-    return _Prepared(batch, good, pixels, tokens, rejected)
+    captions = [batch["caption"][i] for i in good]
+    tokens = enc.tokenize(captions) if good else None
+    return _Prepared(batch, good, pixels, tokens, rejected, enc.num_truncated(captions) if good else 0)
 
 
 # Batches decoded and tokenised ahead of the encoders' forward pass (in one reader thread, which
@@ -443,10 +456,12 @@ def _encode_shard(raw_uri: str, out: Path, name: str, enc: Encoders, columns: di
         prepared = _ahead(reader, lambda b: _prepare(enc, b, size, name), batches, PREFETCH_BATCHES)
     rows: list[dict[str, Any]] = []
     rejected: list[dict[str, str]] = []
+    truncated = 0
     for p in prepared:
         if stop is not None and stop.requested:
             raise _Stopped()
         rejected += p.rejected
+        truncated += p.truncated
         if p.good:
             text = enc.token_arrays(p.tokens, cache)
             ok, bad, kept = build_rows(p.batch, p.good, {**enc.latent_arrays(p.pixels), **text}, name, enc.storage)
@@ -457,7 +472,7 @@ def _encode_shard(raw_uri: str, out: Path, name: str, enc: Encoders, columns: di
                 for j in kept:
                     cache.add(keys[j], {k: v[j] for k, v in text.items()})
         bar.update(len(p.batch["key"]))
-    return shard_record(out, name, n, write_shard(out / name, rows, columns), rejected)
+    return shard_record(out, name, n, write_shard(out / name, rows, columns), rejected, truncated)
 
 
 def _ahead(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], items: Iterable[Any], depth: int) -> Iterator[Any]:
@@ -555,6 +570,9 @@ def finish_encode(job: EncodeJob, records: list[dict]) -> dict:
     storage.atomic_write_bytes(out / REJECTED, "".join(json.dumps(r) + "\n" for r in rejected).encode())
     summary = {"seen": sum(d["seen"] for d in records), "written": sum(d["written"] for d in records),
                "rejected": dict(collections.Counter(r["reason"] for r in rejected))}
+    truncated = sum(d.get("truncated", 0) for d in records)
+    if truncated:  # kept, with their whole caption in the shards; their embeddings saw max_length tokens
+        summary["truncated_captions"] = truncated
     storage.atomic_write_bytes(out / SUMMARY, json.dumps(summary, indent=1).encode())
     shards = [ShardInfo(name=d["name"], num_samples=d["written"], num_bytes=d["num_bytes"]) for d in records]
     write_index(out, DatasetIndex(kind="latent", columns=job.columns, shards=shards, meta=job.meta))
@@ -608,7 +626,8 @@ def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool
     Stopped by a signal (see the module docstring) it returns ``{"interrupted": signal name}``.
     ``encoders``: already loaded from ``cfg`` (by default they are loaded here).
     """
-    with StopOnSignal(cfg.interrupt, what="encode") as stop:
+    with StopOnSignal(cfg.interrupt, what="encode",
+                      stopping="stopping after the current batch: the finished shards are kept") as stop:
         try:
             return _encode_dataset(raw_dir, out_dir, cfg, progress, stop, encoders)
         except _Stopped:
@@ -649,6 +668,9 @@ def _encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: boo
         rejected.update(sm["rejected"])
     summary = {"seen": sum(sm["seen"] for sm in summaries), "written": sum(sm["written"] for sm in summaries),
                "rejected": dict(rejected), "buckets": {b["path"]: b["num_samples"] for b in buckets}}
+    truncated = sum(sm.get("truncated_captions", 0) for sm in summaries)
+    if truncated:
+        summary["truncated_captions"] = truncated
     storage.atomic_write_bytes(out / SUMMARY, json.dumps(summary, indent=1).encode())
     storage.atomic_write_bytes(out / BUCKETS, json.dumps({"resolution": resolution, "buckets": buckets},
                                                          indent=1).encode())

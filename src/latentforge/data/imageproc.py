@@ -301,7 +301,7 @@ def check_caption(caption: str | None, filters: FilterConfig) -> str:
     """The cleaned caption, or raise :class:`Reject`."""
     if caption is None:
         raise Reject("no_caption")
-    text = " ".join(caption.split())
+    text = " ".join(caption.replace("\ufeff", " ").split())  # a byte-order mark (from some editors) is not text
     if not text:
         raise Reject("empty_caption")
     if len(text) < filters.min_caption_chars:

@@ -214,7 +214,8 @@ def encode_on_ray(raw_dir: str, out_dir: str, cfg: EncodeConfig, ray_cfg: RayCon
         if s.name not in records and s.num_samples == 0:
             records[s.name] = shard_record(job.out, s.name, 0, write_shard(job.out / s.name, [], job.columns), [])
     todo = [s for s in job.raw.shards if s.name not in records]
-    stop = StopOnSignal(cfg.interrupt, what="encode --ray")
+    stop = StopOnSignal(cfg.interrupt, what="encode --ray",
+                        stopping="stopping after the current batch: the finished shards are kept")
     if todo:
         # Ray's temp dir (logs, sockets) of a local instance goes in the hidden progress directory.
         with ray_session(ray_cfg, job.out / PROGRESS, quiet=not progress) as ray:

@@ -25,6 +25,7 @@ __all__ = [
     "first_line",
     "load_error",
     "locate_pretrained",
+    "absolute_if_local",
     "state_fingerprint",
     "vae_fingerprint",
     "vae_meta",
@@ -115,6 +116,13 @@ def locate_pretrained(path_or_id: str, subfolder: str,
         raise UserError(f"{path_or_id}: no such directory")
     parts = path_or_id.split("/")
     return "/".join(parts[:2]), "/".join(parts[2:]) or None
+
+
+def absolute_if_local(path_or_id: str) -> str:
+    """An existing local path made absolute (what a dataset's meta records, so that a run started
+    from another directory finds it again); a hub id as given."""
+    path = Path(path_or_id).expanduser()
+    return str(path.resolve()) if path_or_id and path.exists() else path_or_id
 
 
 def first_line(exc: BaseException) -> str:

@@ -143,16 +143,17 @@ def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, key: str = "train.optim"
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` following :func:`lr_multiplier`; call ``.step()`` after each optimizer step."""
+    """A ``LambdaLR`` following :func:`lr_multiplier`; call ``.step()`` after each optimizer step.
+    ``key``: where ``cfg`` sits in the recipe (for the error messages)."""
     cfg.validate()
     if total_steps < 1:
         raise ConfigError(f"total_steps: must be >= 1, got {total_steps}")
     if cfg.schedule != "constant" and cfg.warmup_steps >= total_steps:
         raise ConfigError(
-            f"warmup_steps: {cfg.warmup_steps} >= total steps {total_steps} leaves no steps for the "
-            f"{cfg.schedule} decay; lower optim.warmup_steps or use optim.schedule=constant"
+            f"{key}.warmup_steps: {cfg.warmup_steps} >= total steps {total_steps} leaves no steps for the "
+            f"{cfg.schedule} decay; lower {key}.warmup_steps or use {key}.schedule=constant"
         )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
 

@@ -171,10 +171,19 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
                                         world.world_size, unet=base.model_config if base else None)
     phase_batches(tcfg, world.world_size)  # batch sizes fail here, before the run directory is touched
     eval_fn = evaluator if tcfg.eval.every_steps else None
-    if tcfg.eval.every_steps and evaluator is None:  # its inputs fail here too, not after the first every_steps steps
-        eval_fn = training_evaluator(cfg.eval, tcfg.eval, run, world)
-    # The held-out latents of the validation loss: read (and checked against the training data) before the run starts.
-    val_set = load_validation_set(tcfg.val, cfg.data, meta) if tcfg.val.every_steps else None
+    val_set, problems = None, []
+    try:
+        if tcfg.eval.every_steps and evaluator is None:  # its inputs fail here too, not after the first every_steps steps
+            eval_fn = training_evaluator(cfg.eval, tcfg.eval, run, world)
+    except ConfigError as e:
+        problems.append(f"{e} (or train.eval.every_steps=0: no evaluation during training)")
+    try:
+        # The held-out latents of the validation loss: read (and checked against the training data) before the run starts.
+        val_set = load_validation_set(tcfg.val, cfg.data, meta) if tcfg.val.every_steps else None
+    except ConfigError as e:
+        problems.append(str(e))
+    if problems:  # both at once: a recipe made for other data (the demo's) usually needs both turned off
+        raise ConfigError("\n".join(problems))
     resume_from = ckpt.resolve_resume(run, resume)
     if world.is_main:
         run.mkdir(parents=True, exist_ok=True)
@@ -257,14 +266,51 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
 
     before = to_dict(load_config(RunConfig, old).train)
     now = to_dict(cfg.train)
-    for key in ("model", "unet", "dit", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma",
-                "min_snr_floor", "init_from", "lora"):
+    fixed = ("model", "unet", "dit", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma",
+             "min_snr_floor", "init_from", "lora")
+    for key in fixed:
         b, n = before.get(key), now.get(key)
         if key in ("unet", "dit"):  # data-filled fields were None in the user's config
             n = {k: (v if v is not None else b.get(k)) for k, v in n.items()}
         if b != n:
             raise UserError(f"{run}: resuming with a different train.{key} than the run was started with "
                             f"({TRAIN_CONFIG}); use a new run directory or restore the setting")
+    try:
+        done = int(json.loads((resume_from / ckpt.META).read_text()).get("phase", 0))  # phases finished
+    except (OSError, ValueError):
+        done = 0
+    for i, (b, n) in enumerate(zip(before.get("phases", [])[:done], now.get("phases", []))):
+        if (b.get("steps"), b.get("samples")) != (n.get("steps"), n.get("samples")):
+            name = f" ({b['name']})" if b.get("name") else ""
+            raise UserError(f"{run}: phase {i}{name} finished at its {b.get('steps') or b.get('samples')} "
+                            f"{'steps' if b.get('steps') else 'samples'}; a finished phase does not grow: add a phase to "
+                            "train.phases to train on, or use a new run directory")
+    changes = _changes({"train": {k: v for k, v in before.items() if k not in fixed},
+                        "data": to_dict(load_config(RunConfig, old).data)},
+                       {"train": {k: v for k, v in now.items() if k not in fixed}, "data": to_dict(cfg.data)})
+    if changes:
+        # The settings the earlier steps ran with stay on record next to the ones that replace them.
+        kept = run / f"{Path(TRAIN_CONFIG).stem}.until-{resume_from.name}{Path(TRAIN_CONFIG).suffix}"
+        kept.write_bytes(old.read_bytes())
+        shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+        print(f"train: resuming with changed settings ({shown}); the earlier ones are kept in {kept.name}", flush=True)
+
+
+def _changes(before: Any, now: Any, key: str = "") -> list[str]:
+    """``"train.optim.lr: 0.002 -> 0.0001"`` for each leaf that differs; a list that grew or shrank
+    also says ``"train.phases: 1 -> 2 entries"``."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        return [c for k in sorted(set(before) | set(now))
+                for c in _changes(before.get(k), now.get(k), f"{key}.{k}" if key else k)]
+    if isinstance(before, list) and isinstance(now, list):
+        common = [c for i, (b, n) in enumerate(zip(before, now)) for c in _changes(b, n, f"{key}.{i}")]
+        return common + ([f"{key}: {len(before)} -> {len(now)} entries"] if len(before) != len(now) else [])
+
+    def short(value: Any) -> str:
+        text = str(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    return [] if before == now else [f"{key}: {short(before)} -> {short(now)}"]
 
 
 def _phase_latent_shape(phase, source: DataSource) -> tuple[int, int]:
