@@ -396,6 +396,33 @@ def test_sample_and_export_refuse_a_recipe_or_overrides_they_would_ignore(build_
     assert not out.exists()
 
 
+def test_sample_refuses_steps_past_the_noise_levels_and_a_non_finite_scale(build_run, tmp_path, capsys):
+    run = build_run("bert").path
+    args = _sample_args(run, tmp_path / "out")
+    steps = args.index("--steps") + 1
+    for value in ("1000", "0"):
+        assert main(args[:steps] + [value] + args[steps + 1:] + ["--quiet"]) == 2
+        _one_error_line(capsys, f"sampling steps: {value}; give 1 to 999")
+    cfg = args.index("--cfg") + 1
+    assert main(args[:cfg] + ["nan"] + args[cfg + 1:] + ["--quiet"]) == 2
+    _one_error_line(capsys, "guidance scale: nan is not a finite number")
+    assert not (tmp_path / "out").exists()
+
+
+def test_outputs_in_object_storage_are_refused_in_one_line(build_run, tmp_path, capsys, monkeypatch):
+    """No command writes to s3:// itself: each says so instead of writing a local folder named s3:."""
+    monkeypatch.chdir(tmp_path)
+    run = build_run("bert").path
+    sample = _sample_args(run, tmp_path)
+    sample[sample.index("--out") + 1] = "s3://b/s"
+    for command in (sample, ["export", "--checkpoint", str(run), "--out", "s3://b/e"],
+                    ["train-vae", str(run), "--out", "s3://b/v"], ["train", "s3://b/run"],
+                    ["plan", "--recipe", "tiny-cpu", "--chart", "s3://b/p.png"]):
+        assert main(command) == 2
+        _one_error_line(capsys, "s3://b/", "this command writes to a local path")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sample_refuses_a_file_for_out_or_checkpoint(build_run, tmp_path, capsys):
     run = build_run("bert").path
     (tmp_path / "file").write_text("x")

@@ -579,6 +579,22 @@ def _quiet_libraries() -> None:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
 
 
+# Where each command writes (run_dir: of train and finetune only; report reads one).
+_OUTPUTS = {"out": "--out", "chart": "--chart", "json": "--json"}
+
+
+def _check_local_outputs(ns: argparse.Namespace) -> None:
+    """Every command writes to local paths (Ray Train uploads checkpoints with --storage): an
+    ``s3://`` output would otherwise become a local folder named ``s3:``."""
+    flags = dict(_OUTPUTS, **({"run_dir": "RUN_DIR"} if ns.fn is cmd_train else {}))
+    for attr, flag in flags.items():
+        value = getattr(ns, attr, None)
+        if isinstance(value, str) and "://" in value:
+            where = " (--storage s3://... uploads a Ray run's checkpoints)" if ns.fn is cmd_train else ""
+            raise UserError(f"{flag} {value}: this command writes to a local path; copy the result to object "
+                            f"storage afterwards{where}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = _split_overrides(argv)
@@ -597,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(ns, "quiet", False):
         _quiet_libraries()
     try:
+        _check_local_outputs(ns)
         code = ns.fn(ns, overrides)  # EXIT_INTERRUPTED (75) after a stop with a checkpoint, else None / 0
     except UserError as e:
         # A configuration with several problems lists them all, one line each.

@@ -138,8 +138,11 @@ def generate_latents(unet: torch.nn.Module, text_model: Any, tokenizer: Any, noi
     """The model-space latents of :func:`generate` (StableDiffusionPipeline's ``output_type="latent"``)."""
     if not prompts:
         raise UserError("generate: no prompts")
-    if num_steps < 1:
-        raise UserError(f"generate: num_steps must be at least 1, got {num_steps}")
+    if not 1 <= num_steps < noise.num_train_timesteps:
+        raise UserError(f"sampling steps: {num_steps}; give 1 to {noise.num_train_timesteps - 1} (the model was "
+                        f"trained on {noise.num_train_timesteps} noise levels; 20-50 is usual)")
+    if not math.isfinite(guidance_scale):
+        raise UserError(f"guidance scale: {guidance_scale} is not a finite number")
     device = next(unet.parameters()).device
     cond = encode_text(text_model, tokenizer, list(prompts), max_length)
     uncond = encode_text(text_model, tokenizer, [""] * len(prompts), max_length)

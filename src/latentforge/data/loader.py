@@ -461,6 +461,9 @@ class ShardCache:
                 raise UserError(f"{uri}: {rows} rows, index.json says {info.num_samples}: "
                                 "the dataset was changed after it was indexed")
             os.replace(tmp_arrow, dst)
+        except pa.ArrowInvalid as e:  # a damaged shard, or one that is not parquet
+            raise UserError(f"{uri}: not a readable parquet shard ({str(e).splitlines()[0]}); rerun the "
+                            "ingest/encode that wrote it") from None
         finally:
             tmp_arrow.unlink(missing_ok=True)
             tmp_parquet.unlink(missing_ok=True)

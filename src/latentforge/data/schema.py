@@ -204,10 +204,14 @@ def write_table(path: str | Path, table: pa.Table, row_group_size: int = 256) ->
 
 
 def read_shard(uri: str, columns: Sequence[str] | None = None) -> pa.Table:
-    """Read a whole shard (local or S3) as an Arrow table."""
-    if storage.is_s3(uri):
-        return pq.read_table(pa.BufferReader(storage.read_bytes(uri)), columns=columns)
-    return pq.read_table(uri, columns=columns, memory_map=True)
+    """Read a whole shard (local or S3) as an Arrow table; a damaged one is a one-line error."""
+    try:
+        if storage.is_s3(uri):
+            return pq.read_table(pa.BufferReader(storage.read_bytes(uri)), columns=columns)
+        return pq.read_table(uri, columns=columns, memory_map=True)
+    except pa.ArrowInvalid as e:
+        raise UserError(f"{uri}: not a readable parquet shard ({str(e).splitlines()[0]}); rerun the "
+                        "ingest/encode that wrote it") from None
 
 
 def write_index(root: str | Path, index: DatasetIndex) -> None:
@@ -225,13 +229,20 @@ def read_index(root: str) -> DatasetIndex:
         raise UserError(f"{uri}: not valid JSON") from None
     if d.get("format") != FORMAT:
         raise UserError(f"{uri}: format {d.get('format')!r} is not {FORMAT!r}")
-    if d.get("version", 0) > VERSION:
-        raise UserError(f"{uri}: version {d['version']} is newer than this latentforge understands ({VERSION})")
-    return DatasetIndex(
-        kind=d["kind"],
-        columns=dict(d["columns"]),
-        shards=[ShardInfo(**s) for s in d["shards"]],
-        meta=d.get("meta", {}),
-        format=d["format"],
-        version=d["version"],
-    )
+    if not isinstance(d.get("version"), int) or d["version"] > VERSION:
+        raise UserError(f"{uri}: version {d.get('version')!r} is not one this latentforge understands (<= {VERSION})")
+    try:
+        index = DatasetIndex(
+            kind=d["kind"],
+            columns=dict(d["columns"]),
+            shards=[ShardInfo(**s) for s in d["shards"]],
+            meta=d.get("meta", {}),
+            format=d["format"],
+            version=d["version"],
+        )
+    except (KeyError, TypeError, ValueError) as e:  # a damaged or hand-edited index
+        what = f"no {e.args[0]!r} entry" if isinstance(e, KeyError) else f"malformed ({e})"
+        raise UserError(f"{uri}: {what}; rerun the ingest/encode that wrote it") from None
+    if index.kind not in ("raw", "latent") or not isinstance(index.meta, dict):
+        raise UserError(f"{uri}: kind {index.kind!r} is neither 'raw' nor 'latent'")
+    return index

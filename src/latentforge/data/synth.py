@@ -464,7 +464,7 @@ def generate(out_dir: str | Path, cfg: SynthConfig, progress: bool = True) -> di
     summary written to ``synth.json``. A rerun with the same config returns at once when the
     output is complete and finishes it otherwise; any other non-empty directory is refused."""
     if storage.is_s3(str(out_dir)):
-        raise UserError(f"{out_dir}: synth writes a local directory; ingest can then upload it")
+        raise UserError(f"{out_dir}: synth writes a local directory (ingest reads it from there)")
     cfg.validate()
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
