@@ -485,6 +485,17 @@ def test_resume_with_changed_settings_says_so_and_keeps_the_earlier_config(strai
 # ------------------------------------------------------------------------------- the command line
 
 
+def test_cli_refuses_to_train_into_a_directory_that_holds_something_else(latent_data, tmp_path, capsys):
+    """The latent dataset itself given as RUN_DIR: refused in one line, nothing written into it."""
+    target = Path(shutil.copytree(latent_data["latent16"], tmp_path / "data"))
+    before = sorted(p.name for p in target.iterdir())
+    code = cli_main(["train", str(target), "--recipe", str(_recipe_file(latent_data, tmp_path)), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"latentforge: error: {target}: exists, is not empty and holds no training run "
+                                 "(no train_config.yaml): use a new or empty directory\n")
+    assert sorted(p.name for p in target.iterdir()) == before
+
+
 def test_cli_bad_input_exits_2_with_one_line(latent_data, tmp_path, capsys):
     cfg = run_config(latent_data)
     recipe = tmp_path / "recipe.yaml"
