@@ -86,6 +86,12 @@ def test_load_config_from_yaml(tmp_path):
         load_config(Outer, bad)
     with pytest.raises(ConfigError, match="file not found"):
         load_config(Outer, tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="is a directory; give a YAML file"):
+        load_config(Outer, tmp_path)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"steps: 3\n\xff\xfe")
+    with pytest.raises(ConfigError, match=r"binary.yaml: not UTF-8 text \(byte 9\)"):
+        load_config(Outer, binary)
 
 
 def test_float_written_without_a_dot():

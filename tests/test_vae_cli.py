@@ -31,7 +31,7 @@ def test_python_dash_m_and_bare_command():
     out = subprocess.run([sys.executable, "-m", "latentforge", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "ingest" in out.stdout and "train-vae" in out.stdout
     bare = subprocess.run([sys.executable, "-m", "latentforge"], capture_output=True, text=True)
-    assert bare.returncode == 0 and "usage" in bare.stdout  # the help of the top level
+    assert bare.returncode == 2 and "usage" in bare.stdout  # the help of the top level; no command is a usage error
 
 
 def test_synth_command_and_bad_input(tmp_path, capsys):

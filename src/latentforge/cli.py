@@ -252,7 +252,8 @@ def cmd_sample(ns, overrides):
     comps = load_components(ns.checkpoint, use_ema=not ns.no_ema, sampler=ns.sampler)
     prompts = [p for p in ns.prompt for _ in range(ns.num_per_prompt)]
     images = generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length,
-                      prompts, seed=ns.seed, num_steps=ns.steps, guidance_scale=ns.cfg, sampler=ns.sampler)
+                      prompts, seed=ns.seed, num_steps=ns.steps, guidance_scale=ns.cfg, sampler=ns.sampler,
+                      progress=not ns.quiet)
     out.mkdir(parents=True, exist_ok=True)
     for i, img in enumerate(images):
         img.save(out / f"{i:04d}.png")
@@ -616,8 +617,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.parse_args(args)  # argparse's own message for anything else it did not recognise
     if not hasattr(ns, "fn"):
-        # `latentforge` or `latentforge data` alone: show the help of that level.
-        parser.parse_args(args + ["--help"])
+        # `latentforge` or `latentforge data` alone: show the help of that level (argparse exits 0 after it).
+        try:
+            parser.parse_args(args + ["--help"])
+        except SystemExit:
+            pass
         return 2
     if getattr(ns, "quiet", False):
         _quiet_libraries()

@@ -298,10 +298,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"recipe {path}: is a directory; give a YAML file or a recipe name")
     if not path.is_file():
         raise ConfigError(f"recipe {path}: file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"recipe {path}: not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

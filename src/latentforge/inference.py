@@ -122,11 +122,12 @@ def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | 
 @torch.no_grad()
 def generate(unet: torch.nn.Module, vae: Any, text_model: Any, tokenizer: Any, noise: NoiseScheduleConfig,
              max_length: int, prompts: Sequence[str], seed: int = 0, num_steps: int = 30,
-             guidance_scale: float = 5.0, sampler: str = "ddim", latent_size: int | None = None) -> list[Image.Image]:
+             guidance_scale: float = 5.0, sampler: str = "ddim", latent_size: int | None = None,
+             progress: bool = False) -> list[Image.Image]:
     """Images for ``prompts`` (one each), the way StableDiffusionPipeline makes them for
     ``generator=torch.Generator(device).manual_seed(seed)`` and a list of prompts."""
     latents = generate_latents(unet, text_model, tokenizer, noise, max_length, prompts, seed, num_steps,
-                               guidance_scale, sampler, latent_size)
+                               guidance_scale, sampler, latent_size, progress)
     return to_pil(decode_latents(vae, latents))
 
 
@@ -134,7 +135,7 @@ def generate(unet: torch.nn.Module, vae: Any, text_model: Any, tokenizer: Any, n
 def generate_latents(unet: torch.nn.Module, text_model: Any, tokenizer: Any, noise: NoiseScheduleConfig,
                      max_length: int, prompts: Sequence[str], seed: int = 0, num_steps: int = 30,
                      guidance_scale: float = 5.0, sampler: str = "ddim",
-                     latent_size: int | None = None) -> torch.Tensor:
+                     latent_size: int | None = None, progress: bool = False) -> torch.Tensor:
     """The model-space latents of :func:`generate` (StableDiffusionPipeline's ``output_type="latent"``)."""
     if not prompts:
         raise UserError("generate: no prompts")
@@ -153,7 +154,7 @@ def generate_latents(unet: torch.nn.Module, text_model: Any, tokenizer: Any, noi
     generator = torch.Generator(device=device).manual_seed(seed)
     return sample_latents(unet, make_sampler(sampler, noise, size), cond["text_hidden"], uncond["text_hidden"], shape,
                           num_steps, guidance_scale, generator, encoder_attention_mask=masks, device=device,
-                          dtype=unet.dtype)
+                          dtype=unet.dtype, progress=progress)
 
 
 def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
+from tqdm.auto import tqdm
 
 from latentforge.models.denoiser import denoiser_of
 
@@ -64,6 +65,7 @@ def sample_latents(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     eta: float = 0.0,
+    progress: bool = False,
 ) -> torch.Tensor:
     """Denoise from pure noise to latents (the loop of diffusers' StableDiffusionPipeline.__call__, see the module docstring).
 
@@ -71,7 +73,7 @@ def sample_latents(
     unconditional ones are needed only when ``guidance_scale > 1``. ``shape`` is
     (batch, latent_channels, height, width) in latent pixels. ``encoder_attention_mask`` is
     ``(uncond_mask, cond_mask)``, each (batch, seq) with 1 for tokens to attend to.
-    ``device``/``dtype`` default to the U-Net's. ``eta`` is DDIM's eta (0 = deterministic DDIM).
+    ``device``/``dtype`` default to the U-Net's. ``eta`` is DDIM's eta (0 = deterministic DDIM); ``progress``: a bar over the steps.
     ``unet`` is any denoiser of ``models/denoiser.py`` (a U-Net or a transformer), in eval mode. The scheduler is reset by ``set_timesteps``, so it can be reused
     for the next call, but not shared by two loops at once.
     """
@@ -119,7 +121,7 @@ def sample_latents(
 
     denoiser = denoiser_of(unet)
     last = 1 if denoiser.single_step_returns_x0 and num_steps == 1 else 0
-    for t in scheduler.timesteps:
+    for t in tqdm(scheduler.timesteps, desc=f"sample {shape[0]} images", unit="step", disable=not progress):
         model_input = torch.cat([latents] * 2) if do_guidance else latents
         if hasattr(scheduler, "scale_model_input"):  # as the pipeline does: flow schedulers have none
             model_input = scheduler.scale_model_input(model_input, t)
