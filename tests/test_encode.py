@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -226,6 +227,18 @@ def test_resume_refuses_other_inputs(assets, tmp_path):
     (unrelated / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="not empty"):
         encode_dataset(str(assets["raw"]), str(unrelated), _cfg(assets), progress=False)
+
+
+def test_missing_or_damaged_raw_shards_stop_before_any_work(assets, tmp_path):
+    raw = Path(shutil.copytree(assets["raw"], tmp_path / "raw"))
+    shards = [s.name for s in read_index(str(raw)).shards]
+    (raw / shards[-1]).unlink()
+    with pytest.raises(UserError, match=rf"1 shard\(s\) listed in index.json are missing \({shards[-1]}\)"):
+        encode_dataset(str(raw), str(tmp_path / "out"), _cfg(assets), progress=False)
+    assert not (tmp_path / "out").exists()
+    (raw / shards[-1]).write_bytes(b"garbage")
+    with pytest.raises(UserError, match=rf"{shards[-1]}: not a readable parquet shard"):
+        encode_dataset(str(raw), str(tmp_path / "out"), _cfg(assets), progress=False)
 
 
 def test_damaged_images_are_rejected_and_counted(assets, tmp_path):

@@ -136,6 +136,24 @@ def test_other_settings_into_same_out_dir_is_refused(tmp_path):
         ingest([str(src)], tmp_path / "foreign", cfg(), progress=False)
 
 
+def test_a_finished_ingest_with_a_damaged_index_or_plan_is_refused_on_rerun(tmp_path):
+    """Rerunning a finished ingest returns its summary; a damaged index.json or plan is not taken
+    for finished work."""
+    src = make_folder(tmp_path / "src")
+    out = tmp_path / "out"
+    summary = ingest([str(src)], out, cfg(), progress=False)
+    assert ingest([str(src)], out, cfg(), progress=False) == summary
+    index = (out / "index.json").read_bytes()
+    (out / "index.json").write_bytes(index[:100])
+    with pytest.raises(UserError, match=r"a finished ingest whose index.json or summary.json is damaged .*"
+                                        r"not valid JSON.*delete it and ingest again"):
+        ingest([str(src)], out, cfg(), progress=False)
+    (out / "index.json").write_bytes(index)
+    (out / "ingest_plan.json").write_text("{")
+    with pytest.raises(UserError, match=r"ingest_plan.json: damaged \(not valid JSON\)"):
+        ingest([str(src)], out, cfg(), progress=False)
+
+
 def make_tar(path):
     with tarfile.open(path, "w") as tf:
         def add(name, data):

@@ -209,6 +209,11 @@ def _check_raw(raw_dir: str, raw: DatasetIndex) -> int:
     resolution = raw.meta.get("resolution")
     if not isinstance(resolution, int) or resolution <= 0:
         raise UserError(f"{raw_dir}: index.json meta has no integer 'resolution' (was it written by ingest?)")
+    if not storage.is_s3(raw_dir):  # before any shard is encoded, not after the ones before it (S3: when read)
+        gone = [s.name for s in raw.shards if not Path(raw_dir, s.name).is_file()]
+        if gone:
+            raise UserError(f"{raw_dir}: {len(gone)} shard(s) listed in index.json are missing ({', '.join(gone[:3])}"
+                            f"{', ...' if len(gone) > 3 else ''}); rerun the ingest")
     return resolution
 
 

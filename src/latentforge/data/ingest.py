@@ -163,7 +163,10 @@ def _check_out_dir(out: Path, plan: dict) -> str:
     """'done' (complete, same plan), 'resume' (same plan, unfinished) or 'new'."""
     plan_file = out / PLAN
     if plan_file.exists():
-        old = json.loads(plan_file.read_text())
+        try:
+            old = json.loads(plan_file.read_text())
+        except ValueError:
+            raise UserError(f"{plan_file}: damaged (not valid JSON); delete {out} and ingest again") from None
         if old.get("fingerprint") != plan["fingerprint"]:
             raise UserError(
                 f"{out}: holds an ingest of other sources or settings (plan {old.get('fingerprint')} != "
@@ -193,8 +196,14 @@ def ingest(sources: list[str], out_dir: str | Path, cfg: IngestConfig, progress:
     plan["fingerprint"] = _fingerprint(plan)
     state = _check_out_dir(out, plan)
     if state == "done":
+        try:  # finished before: its outputs must still be readable, not just present
+            schema.read_index(str(out))
+            summary = json.loads((out / "summary.json").read_text())
+        except (UserError, OSError, ValueError) as e:
+            raise UserError(f"{out}: a finished ingest whose index.json or summary.json is damaged ({e}); delete "
+                            "it and ingest again") from None
         shutil.rmtree(out / PARTS, ignore_errors=True)  # a crash right after index.json leaves them
-        return json.loads((out / "summary.json").read_text())
+        return summary
     parts = out / PARTS
     parts.mkdir(parents=True, exist_ok=True)
     if state == "new":
