@@ -55,9 +55,12 @@ def _read_log(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             raise UserError(f"{path}: line {i} is not JSON") from None
+        if not (isinstance(record, dict) and all(isinstance(record.get(k), int) for k in ("step", "samples_seen"))):
+            raise UserError(f"{path}: line {i} is not a record of the trainer (no integer step and samples_seen)")
+        records.append(record)
     return sorted(records, key=lambda r: r["step"])
 
 
