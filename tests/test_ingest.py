@@ -240,6 +240,13 @@ def test_cli_ingest_and_one_line_errors(tmp_path, capsys):
     assert "ingest.image.resolutoin: unknown key" in capsys.readouterr().err
     assert main(["ingest", str(src), "--out", str(tmp_path / "o4"), "ingest.num_workers=-1"]) == 2
     assert "ingest.num_workers" in capsys.readouterr().err
+    # Every sample rejected (all below min_side): the ledger is written, and the exit code says it failed.
+    assert main(["ingest", str(src), "--out", str(tmp_path / "o5"), "--resolution", "32", "--quiet",
+                 "ingest.num_workers=1", "ingest.filters.min_side=4000"]) == 2
+    captured = capsys.readouterr()
+    assert "written 0" in captured.out
+    assert captured.err == f"latentforge: error: ingest wrote no sample ({tmp_path / 'o5'}/rejected.jsonl says why)\n"
+    assert len((tmp_path / "o5" / "rejected.jsonl").read_text().splitlines()) == 13
 
 
 def test_default_filters_reject_tiny_images_and_slivers_and_say_so(tmp_path, capsys):

@@ -54,6 +54,9 @@ def cmd_ingest(ns, overrides):
     rej = ", ".join(f"{k} {v}" for k, v in summary["rejected"].items()) or "none"
     print(f"ingest: seen {summary['seen']}, written {summary['written']} in {summary['num_shards']} shards, "
           f"rejected {summary['num_rejected']} ({rej}); {summary.get('img_per_s')} img/s -> {ns.out}")
+    if not summary["written"]:  # nothing to train on: a job that goes on to encode must not take this for success
+        print(f"latentforge: error: ingest wrote no sample ({ns.out}/rejected.jsonl says why)", file=sys.stderr)
+        return 2
 
 
 def _pipeline_caption_length(base: str) -> int | None:
@@ -255,6 +258,8 @@ def cmd_sample(ns, overrides):
                       prompts, seed=ns.seed, num_steps=ns.steps, guidance_scale=ns.cfg, sampler=ns.sampler,
                       progress=not ns.quiet)
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("[0-9][0-9][0-9][0-9].png"):  # --overwrite: an earlier, longer set leaves none behind
+        old.unlink()
     for i, img in enumerate(images):
         img.save(out / f"{i:04d}.png")
     make_grid(images, prompts, scale=max(1, 128 // images[0].width)).save(out / "grid.png")
@@ -441,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--eval", help="raw shards held out for the PSNR report (vae.eval_dataset)")
     sp.add_argument("--steps", type=int, help="optimizer steps (vae.steps)")
 
-    sp = add("train", cmd_train, "train the latent diffusion U-Net on latent shards (phases, EMA, checkpoints); "
+    sp = add("train", cmd_train, "train the latent diffusion model (U-Net, or train.model=dit) on latent shards (phases, EMA, checkpoints); "
              "resumes from the newest complete checkpoint")
     sp.add_argument("run_dir", metavar="RUN_DIR", help="run directory: checkpoints, logs, samples")
     sp.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a checkpoint dir")
@@ -483,7 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-ema", dest="no_ema", action="store_true", help="use the raw weights, not the EMA")
     sp.add_argument("--overwrite", action="store_true", help="replace the samples already in --out")
 
-    sp = add("export", cmd_export, "write a diffusers StableDiffusionPipeline directory from a checkpoint")
+    sp = add("export", cmd_export,
+             "write a diffusers pipeline directory from a checkpoint (StableDiffusionPipeline; PixArtAlphaPipeline "
+             "for a train.model=dit run)")
     sp.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory")
     sp.add_argument("--out", required=True, help="output directory (new)")
     sp.add_argument("--scheduler", default="ddim", choices=["ddim", "dpm++", "euler", "ddpm"],
