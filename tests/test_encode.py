@@ -241,6 +241,21 @@ def test_missing_or_damaged_raw_shards_stop_before_any_work(assets, tmp_path):
         encode_dataset(str(raw), str(tmp_path / "out"), _cfg(assets), progress=False)
 
 
+def test_unreachable_object_storage_is_one_line(assets, tmp_path, monkeypatch, capsys):
+    """No credentials for s3:// (botocore's own error deep in a read): one line and exit code 2."""
+    from botocore.exceptions import NoCredentialsError
+
+    from latentforge.cli import main
+
+    def no_credentials(uri: str) -> bool:
+        raise NoCredentialsError()
+
+    monkeypatch.setattr(storage, "exists", no_credentials)
+    assert main(["encode", "s3://bucket/raw", "--vae", str(assets["vae"]), "--text-encoder", str(assets["bert"]),
+                 "--out", str(tmp_path / "out"), "--quiet", f"encode.max_length={MAX_LEN}"]) == 2
+    assert capsys.readouterr().err == "latentforge: error: object storage: Unable to locate credentials\n"
+
+
 def test_damaged_images_are_rejected_and_counted(assets, tmp_path):
     raw = make_raw_dataset(tmp_path / "raw", n=20, resolution=RES, num_shards=2, bad_images=(3, 14))
     out = tmp_path / "out"

@@ -648,6 +648,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("latentforge: interrupted (rerun the same command to resume)", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not type(e).__module__.startswith("botocore"):
+            raise
+        # Object storage that cannot be reached (no credentials, no such bucket, no network): the user's set-up.
+        print(f"latentforge: error: object storage: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr)
+        return 2
     return code or 0
 
 
