@@ -142,7 +142,7 @@ def test_bench_writes_json_that_plan_reads_and_the_planner_matches_the_measured_
     assert "measured by bench on cpu" in plan and "shapes-32px" in plan
 
 
-def test_bench_times_the_step_through_the_recipes_parallel_wrappers(monkeypatch, capsys):
+def test_bench_times_the_step_through_the_recipes_parallel_wrappers(monkeypatch, capsys, tmp_path):
     """bench applies what one process of ``train`` applies (here activation checkpointing: every
     U-Net block's forward replaced), and refuses a setting that needs a process group in one line."""
     from latentforge.distributed import parallelize as par
@@ -167,6 +167,12 @@ def test_bench_times_the_step_through_the_recipes_parallel_wrappers(monkeypatch,
                  "train.parallel.cpu_offload=true"])
     err = capsys.readouterr().err
     assert code != 0 and err.count("\n") == 1 and "needs a process group" in err, err
+    # Refused before any step is timed: contradicting flags, an output the result could not be written to.
+    for args, needle in ((["--synthetic", "--real-data"], "--synthetic and --real-data contradict each other"),
+                         (["--out", str(tmp_path)], "is a directory; give a file name")):
+        assert main(["bench", "--recipe", "tiny-cpu", "--steps", "1", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, err
 
 
 def test_train_with_auto_micro_batch_accumulates_to_the_global_batch(latent_data, tmp_path, monkeypatch, caplog):

@@ -81,6 +81,12 @@ def test_plan_cli_prints_the_table_and_writes_the_chart(tmp_path, capsys):
     (["--throughput", "missing.json"], "no such file"),
     (["--mfu", "1.5"], "mfu: must be in (0, 1]"),
     (["--mfu", "0.4", "--img-per-sec-per-gpu", "256:90,512:30"], "give one of"),
+    (["--resolution", "512"], "plan: --resolution is only used with --memory"),
+    (["--memory", "--mfu", "0.4"], "plan --memory: --mfu is only used with the cost plan"),
+    (["--memory", "--micro-batch", "0"], "--micro-batch must be >= 1"),
+    (["--chart", "plan.txt"], "--chart plan.txt: give a file ending in .png or .pdf or .svg"),
+    (["--chart", "."], "--chart .: is a directory"),
+    (["--json", "nodir/plan.json"], "--json nodir/plan.json: no directory nodir"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

@@ -107,7 +107,7 @@ def cmd_encode(ns, overrides):
         summary = encode_on_ray(ns.raw_dir, ns.out, recipe.encode, _ray_config(ns), ns.num_actors or 1,
                                 progress=not ns.quiet)
     else:
-        _refuse_ray_flags(ns, "encode", ("address", "num_actors"), "--ray")
+        _refuse_flags(ns, "encode", ("address", "num_actors"), "--ray")
         summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
     if summary.get("interrupted"):
         print(f"encode: interrupted by {summary['interrupted']}: the finished shards are kept in {ns.out}; "
@@ -158,7 +158,7 @@ def cmd_train(ns, overrides):
     if getattr(ns, "ray", False) or getattr(ns, "online_encode", False):
         return _train_on_ray(ns, recipe)
     if hasattr(ns, "ray"):  # train (finetune has no Ray flags)
-        _refuse_ray_flags(ns, "train", ("address", "num_workers", "gpus_per_worker", "cpus_per_worker",
+        _refuse_flags(ns, "train", ("address", "num_workers", "gpus_per_worker", "cpus_per_worker",
                                         "max_failures", "storage", "num_actors"), "--ray or --online-encode")
     # torchrun / SLURM: RANK, WORLD_SIZE; else one process (with a one-rank group for FSDP2 CPU offload)
     world = init_world(recipe.train.device, single_rank_group=needs_single_rank_group(recipe.train.parallel))
@@ -229,7 +229,7 @@ def _train_on_ray(ns, recipe):
     return _report_train(summary, ns.run_dir, " on Ray")
 
 
-def _refuse_ray_flags(ns, command: str, names: tuple[str, ...], needs: str) -> None:
+def _refuse_flags(ns, command: str, names: tuple[str, ...], needs: str) -> None:
     given = [f"--{n.replace('_', '-')}" for n in names if getattr(ns, n, None) is not None]
     if given:
         raise UserError(f"{command}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} only used with {needs}")
@@ -356,9 +356,24 @@ def cmd_demo(ns, overrides):
     run_demo(recipe, ns.out, progress=not ns.quiet)
 
 
+def _output_file(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> None:
+    """Checked before the work that fills it: a directory, a missing parent or a format the
+    writer cannot make would otherwise lose the result at the end."""
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{flag} {path}: is a directory; give a file name")
+    if not p.parent.is_dir():
+        raise UserError(f"{flag} {path}: no directory {p.parent}")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise UserError(f"{flag} {path}: give a file ending in {' or '.join(suffixes)}")
+
+
 def cmd_bench(ns, overrides):
     from latentforge.plan.bench import run_bench
 
+    if ns.synthetic and ns.real_data:
+        raise UserError("bench: --synthetic and --real-data contradict each other; give one")
+    _output_file(ns.out, "--out")
     recipe = _recipe(ns, overrides, {})
     synthetic = True if ns.synthetic else (False if ns.real_data else None)
     result = run_bench(recipe, steps=ns.steps, warmup=ns.warmup, synthetic=synthetic, progress=True)
@@ -373,6 +388,20 @@ def cmd_bench(ns, overrides):
 def cmd_plan(ns, overrides):
     from latentforge.plan.report import cost_report, memory_report, plan_config
 
+    memory_only = ("resolution", "micro_batch", "precision", "parallel", "activation_checkpointing", "optimizer",
+                   "ema", "cpu_offload", "gpu_memory")
+    if not ns.memory:
+        _refuse_flags(ns, "plan", memory_only, "--memory")
+        if ns.chart:
+            _output_file(ns.chart, "--chart", (".png", ".pdf", ".svg"))
+        if ns.json:
+            _output_file(ns.json, "--json")
+    else:
+        _refuse_flags(ns, "plan --memory", ("gpus", "price", "throughput", "img_per_sec_per_gpu", "mfu",
+                                            "scaling_efficiency", "goodput", "num_images",
+                                            "encode_img_per_sec_per_gpu", "json"), "the cost plan (without --memory)")
+        if ns.micro_batch is not None and ns.micro_batch < 1:
+            raise UserError(f"plan: --micro-batch must be >= 1, got {ns.micro_batch}")
     recipe = _recipe(ns, overrides, {})
     flags = ("gpu", "gpus", "price", "throughput", "img_per_sec_per_gpu", "scaling_efficiency", "goodput",
              "num_images", "encode_img_per_sec_per_gpu", "mfu")
