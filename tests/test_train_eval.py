@@ -140,6 +140,9 @@ def test_report_command_writes_the_report_and_refuses_a_run_without_evaluations(
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"latentforge: error: {tmp_path}: no eval.jsonl; evaluations are written during training when "
                    "train.eval.every_steps is set (and the recipe's eval section names the metric models)"]
+    assert main(["report", str(run), "--gpus", "8", "--price", "3"]) == 2  # a plan's flags without its recipe
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["latentforge: error: report: --gpus, --price are only used with --recipe (the plan they describe)"]
     for bad in ("[1, 2, 3]", '{"step": "x"}'):  # a damaged log: one line, not a traceback
         (tmp_path / "eval.jsonl").write_text(bad + "\n")
         assert main(["report", str(tmp_path)]) == 2

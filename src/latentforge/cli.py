@@ -328,6 +328,8 @@ def cmd_report(ns, overrides):
     plan = None
     if overrides and not ns.recipe:
         raise UserError(f"report: key=value overrides apply to a --recipe's plan; give one, or drop {overrides[0]}")
+    if not ns.recipe:
+        _refuse_flags(ns, "report", ("gpu", "gpus", "price", "throughput"), "--recipe (the plan they describe)")
     if ns.recipe:  # where the full recipe's budget would end on the planned cluster
         from latentforge.plan import cost
         from latentforge.plan.report import plan_config
