@@ -249,6 +249,9 @@ def test_resolve_resume(tmp_path):
     assert resolve_resume(tmp_path, str(tmp_path / "checkpoints" / "step-00000001")).name == "step-00000001"
     with pytest.raises(UserError, match="no such checkpoint directory"):
         resolve_resume(tmp_path, str(tmp_path / "nope"))
+    for whole in (tmp_path, tmp_path / "checkpoints"):
+        with pytest.raises(UserError, match=r"a run's directory, not one checkpoint: give one of its checkpoints/"):
+            resolve_resume(tmp_path, str(whole))
 
 
 class _Wrapper(torch.nn.Module):

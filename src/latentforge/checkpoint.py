@@ -540,6 +540,9 @@ def resolve_resume(run_dir: str | os.PathLike, resume: str | os.PathLike) -> Pat
     path = Path(resume)
     if not path.is_dir():
         raise UserError(f"resume {path}: no such checkpoint directory (use auto, none or a step-NNNNNNNN directory)")
+    if (path / CHECKPOINTS).is_dir() or path.name == CHECKPOINTS:
+        raise UserError(f"resume {path}: a run's directory, not one checkpoint: give one of its "
+                        f"{CHECKPOINTS}/step-NNNNNNNN directories, or auto (the newest)")
     try:
         _read_marker(path)
         _read_meta(path)
