@@ -308,3 +308,22 @@ def test_planned_checkpoint_size_matches_a_real_checkpoint(setup):
     planned = checkpoint_bytes(MemoryConfig(ema="same", optimizer="adamw", parallel="ddp"), parameters)
     assert planned == 16 * parameters
     assert 0 < (on_disk - planned) / on_disk < 0.10, (on_disk, planned)
+
+
+# ------------------------------------------------------------------------------ demo
+
+
+def test_demo_interrupted_in_training_says_so_and_exits_75(tmp_path):
+    """SIGTERM during the demo's U-Net training: the checkpoint is saved, the demo names the
+    signal (not a time limit) and exits 75, the requeue code of every long command."""
+    from golden import TINY
+
+    out = tmp_path / "demo"
+    cmd = [sys.executable, HOOKS, "step=5:SIGTERM", "demo", "--out", str(out), "--quiet", *TINY,
+           "vae.steps=20", "train.eval.every_steps=0", "train.val.every_steps=0"]
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert p.returncode == EXIT_INTERRUPTED, p.stderr[-3000:]
+    assert ("demo: interrupted by SIGTERM at step 5 of the training; rerun the same command to go on"
+            in p.stdout.splitlines()), p.stdout[-2000:]
+    assert "train.max_seconds" not in p.stdout + p.stderr
+    assert checkpoint_steps(out / "run") == [5] and not (out / "results.json").exists()

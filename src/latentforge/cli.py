@@ -355,7 +355,7 @@ def cmd_demo(ns, overrides):
         return
     ns.recipe = ns.recipe or "tiny-cpu"
     recipe = _recipe(ns, overrides, {})
-    run_demo(recipe, ns.out, progress=not ns.quiet)
+    return _exit_code(run_demo(recipe, ns.out, progress=not ns.quiet))  # 75 after an interrupt, like train
 
 
 def _output_file(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> None:

@@ -153,6 +153,10 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
                         data=replace(recipe.loader, cache_dir=recipe.loader.cache_dir or str(out / "cache")))
     train_summary = train(run_cfg, out / "run", resume="auto", progress=progress,
                           evaluator=_curve_evaluator(recipe, out, judge) if _curve_on(recipe) else None)
+    if train_summary.get("interrupted"):  # a signal: the checkpoint is saved, the rerun goes on from it
+        print(f"demo: interrupted by {train_summary['interrupted']} at step {train_summary['step']} of the training; "
+              "rerun the same command to go on", flush=True)
+        return {"interrupted": train_summary["interrupted"]}
     if not train_summary["finished"]:
         raise UserError(f"training stopped at step {train_summary['step']} before the end of its phases "
                         "(train.max_seconds): rerun the demo to continue")
