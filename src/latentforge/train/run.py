@@ -264,7 +264,8 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
         return
     from latentforge.config import load_config, to_dict
 
-    before = to_dict(load_config(RunConfig, old).train)
+    saved = load_config(RunConfig, old)
+    before = to_dict(saved.train)
     now = to_dict(cfg.train)
     fixed = ("model", "unet", "dit", "noise", "seed", "sample_posterior", "offset_noise", "min_snr_gamma",
              "min_snr_floor", "init_from", "lora")
@@ -286,7 +287,7 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
                             f"{'steps' if b.get('steps') else 'samples'}; a finished phase does not grow: add a phase to "
                             "train.phases to train on, or use a new run directory")
     changes = _changes({"train": {k: v for k, v in before.items() if k not in fixed},
-                        "data": to_dict(load_config(RunConfig, old).data)},
+                        "data": to_dict(saved.data)},
                        {"train": {k: v for k, v in now.items() if k not in fixed}, "data": to_dict(cfg.data)})
     if changes:
         # The settings the earlier steps ran with stay on record next to the ones that replace them.
