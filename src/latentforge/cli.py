@@ -159,7 +159,7 @@ def cmd_train(ns, overrides):
         return _train_on_ray(ns, recipe)
     if hasattr(ns, "ray"):  # train (finetune has no Ray flags)
         _refuse_flags(ns, "train", ("address", "num_workers", "gpus_per_worker", "cpus_per_worker",
-                                        "max_failures", "storage", "num_actors"), "--ray or --online-encode")
+                                    "max_failures", "storage", "num_actors"), "--ray or --online-encode")
     # torchrun / SLURM: RANK, WORLD_SIZE; else one process (with a one-rank group for FSDP2 CPU offload)
     world = init_world(recipe.train.device, single_rank_group=needs_single_rank_group(recipe.train.parallel))
     if not world.is_main:  # rank 0 speaks for every rank; the others only report errors
@@ -477,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--eval", help="raw shards held out for the PSNR report (vae.eval_dataset)")
     sp.add_argument("--steps", type=int, help="optimizer steps (vae.steps)")
 
-    sp = add("train", cmd_train, "train the latent diffusion model (U-Net, or train.model=dit) on latent shards (phases, EMA, checkpoints); "
-             "resumes from the newest complete checkpoint")
+    sp = add("train", cmd_train, "train the latent diffusion model (U-Net, or train.model=dit) on latent shards "
+             "(phases, EMA, checkpoints); resumes from the newest complete checkpoint")
     sp.add_argument("run_dir", metavar="RUN_DIR", help="run directory: checkpoints, logs, samples")
     sp.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a checkpoint dir")
     _add_ray_arguments(sp)
