@@ -7,10 +7,12 @@ import io
 import json
 import logging
 import os
+import pickle
 import random
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +197,21 @@ def test_malicious_pickle_in_state_is_refused(tmp_path):
         load_checkpoint(path)
     assert "\n" not in str(e.value)
     assert not pwned.exists()
+
+
+def test_a_plain_pickle_as_state_is_refused_without_torch_warnings(tmp_path):
+    """A state file written by pickle itself (not torch.save): the same one-line refusal, and
+    nothing else on stderr (torch warns about the pickle protocol before refusing)."""
+    path = _save(tmp_path, 1)
+    pwned = tmp_path / "pwned"
+    with open(path / ckpt.STATE, "wb") as f:
+        pickle.dump({"optimizer": _Exploit(str(pwned))}, f, protocol=4)
+    vouch(path, ckpt.STATE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(UserError, match="refusing to load"):
+            load_checkpoint(path)
+    assert [str(w.message) for w in caught] == [] and not pwned.exists()
 
 
 def test_state_that_weights_only_cannot_load_is_rejected_before_writing(tmp_path):

@@ -94,6 +94,26 @@ def test_load_config_from_yaml(tmp_path):
         load_config(Outer, binary)
 
 
+def test_recipe_key_given_twice_is_refused(tmp_path):
+    # PyYAML keeps the last of two equal keys; a recipe edited in two places would train on one silently.
+    p = tmp_path / "twice.yaml"
+    p.write_text("steps: 3\ninner:\n  mode: b\nsteps: 5\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: key 'steps' given twice \(lines 1 and 4\)"):
+        load_config(Outer, p)
+    p.write_text("inner: {rate: 0.1, rate: 0.2}\n")
+    with pytest.raises(ConfigError, match=r"key 'rate' given twice \(lines 1 and 1\)"):
+        load_config(Outer, p)
+    p.write_text("steps: 3\ninner: {mode: b}\nother: {mode: b}\n")  # equal keys in different mappings are fine
+    with pytest.raises(ConfigError, match="other: unknown key"):
+        load_config(Outer, p)
+
+
+@pytest.mark.parametrize("text", [".inf", "-.inf", ".nan", "inf", "nan"])
+def test_float_must_be_finite(text):
+    with pytest.raises(ConfigError, match="inner.rate: expected a finite number"):
+        from_dict(Outer, apply_overrides({}, [f"inner.rate={text}"]))
+
+
 def test_float_written_without_a_dot():
     cfg = from_dict(Outer, apply_overrides({}, ["inner.rate=1e-4"]))
     assert cfg.inner.rate == 1e-4

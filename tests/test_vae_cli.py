@@ -118,6 +118,6 @@ def test_train_vae_command_writes_a_vae_and_reports_it(tmp_path, capsys):
     assert main(["train-vae", str(raw), "--out", str(raw), "--steps", "2", "--quiet", "vae.model.sample_size=16",
                  "vae.model.block_out_channels=[8,16]", "vae.model.norm_num_groups=4", "vae.device=cpu"]) == 2
     err = capsys.readouterr().err
-    assert err == (f"latentforge: error: {raw}: exists, is not empty and holds no VAE training: use a new or "
-                   "empty directory\n")
+    assert err == (f"latentforge: error: {raw}: exists, is not empty and holds no VAE training "
+                   "(no train_vae_config.yaml): use a new or empty directory\n")
     assert sorted(p.name for p in raw.iterdir()) == before

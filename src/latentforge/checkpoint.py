@@ -39,6 +39,7 @@ import platform
 import re
 import shutil
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -498,7 +499,9 @@ def load_checkpoint(
     tensors = {g: load_safetensors(path / f"{g}.safetensors", device=str(map_location)) for g in meta["tensors"]
                if groups is None or g in groups}
     try:
-        state = torch.load(path / STATE, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # a plain pickle in its place: torch warns about its protocol first
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            state = torch.load(path / STATE, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise UserError(
             f"{path / STATE}: refusing to load: it holds objects other than tensors and plain containers "

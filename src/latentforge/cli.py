@@ -140,21 +140,14 @@ def cmd_train_vae(ns, overrides):
           f"scaling_factor {m['scaling_factor']:.4f} -> {ns.out}")
 
 
-def _refuse_foreign_dir(out: Path, marks: tuple[str, ...], what: str) -> None:
-    """An output directory that holds something else (a dataset, another tool's files) is refused:
-    writing a run into it would mix the two."""
-    if out.is_dir() and not any((out / m).exists() for m in marks) and any(out.iterdir()):
-        raise UserError(f"{out}: exists, is not empty and holds no {what} (no {marks[0]}): use a new or empty "
-                        "directory")
-
-
 def cmd_train(ns, overrides):
     from latentforge.distributed.env import close_world, init_world
     from latentforge.distributed.parallelize import needs_single_rank_group
+    from latentforge.storage import refuse_foreign_dir
     from latentforge.train.run import RunConfig, train
 
     recipe = _recipe(ns, overrides, {"train.init_from": getattr(ns, "base", None)})
-    _refuse_foreign_dir(Path(ns.run_dir), ("train_config.yaml", "checkpoints"), "training run")
+    refuse_foreign_dir(ns.run_dir, ("train_config.yaml", "checkpoints"), "training run")
     if getattr(ns, "ray", False) or getattr(ns, "online_encode", False):
         return _train_on_ray(ns, recipe)
     if hasattr(ns, "ray"):  # train (finetune has no Ray flags)

@@ -37,6 +37,15 @@ def split_s3(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
+def refuse_foreign_dir(out: str | Path, marks: Iterable[str], what: str) -> None:
+    """A local output directory that is not empty and holds none of ``marks`` (the files by which
+    a ``what`` is known) is refused: writing into it would mix the two."""
+    out, marks = Path(out), list(marks)
+    if out.is_dir() and not any((out / m).exists() for m in marks) and any(out.iterdir()):
+        raise UserError(f"{out}: exists, is not empty and holds no {what} (no {marks[0]}): use a new or empty "
+                        "directory")
+
+
 def s3_client():
     """One boto3 client per process and thread (boto3 clients are not fork-safe)."""
     key = os.getpid()

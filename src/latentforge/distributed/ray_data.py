@@ -176,9 +176,10 @@ class _ShardSink:
         self.out, self.name, self.expected = out, name, expected
         self.writer = ShardWriter(out / name, columns)
         self.seen = 0
+        self.truncated = 0  # good captions longer than the text encoder's max_length, as encode counts them
         self.rejected: list[dict[str, str]] = []
 
-    def add(self, batch: dict[str, np.ndarray], idx: np.ndarray, storage_dtype: np.dtype) -> None:
+    def add(self, batch: dict[str, np.ndarray], idx: np.ndarray, enc: Encoders) -> None:
         raw = {c: batch[c][idx].tolist() for c in ("key", "caption", "width", "height")}
         ok = batch["ok"][idx].astype(bool)
         for i in np.flatnonzero(~ok):
@@ -186,7 +187,9 @@ class _ShardSink:
                                   "detail": str(batch["detail"][idx[i]])})
         good = np.flatnonzero(ok)
         arrays = {k: batch[k][idx[good]] for k in batch if k not in raw and k not in ("shard", "ok", "reason", "detail")}
-        rows, bad, _ = build_rows(raw, good.tolist(), arrays, self.name, storage_dtype)
+        rows, bad, _ = build_rows(raw, good.tolist(), arrays, self.name, enc.storage)
+        if good.size:
+            self.truncated += enc.num_truncated([raw["caption"][i] for i in good])
         for row in rows:
             self.writer.write(row)
         self.rejected += bad
@@ -196,7 +199,7 @@ class _ShardSink:
         if self.seen != self.expected:
             self.writer.abort()
             raise UserError(f"{self.name}: the Ray encode delivered {self.seen} of {self.expected} samples")
-        return shard_record(self.out, self.name, self.seen, self.writer.close(), self.rejected)
+        return shard_record(self.out, self.name, self.seen, self.writer.close(), self.rejected, self.truncated)
 
 
 def encode_on_ray(raw_dir: str, out_dir: str, cfg: EncodeConfig, ray_cfg: RayConfig, num_actors: int = 1,
@@ -248,7 +251,7 @@ def encode_on_ray(raw_dir: str, out_dir: str, cfg: EncodeConfig, ray_cfg: RayCon
                             if sink is not None:
                                 records[sink.name] = sink.close()
                             sink = _ShardSink(job.out, name, job.columns, expected[name])
-                        sink.add(batch, np.arange(a, b), job.enc.storage)
+                        sink.add(batch, np.arange(a, b), job.enc)
                         bar.update(b - a)
                     if stop.requested:  # between two batches: keep the finished shards, drop the one in progress
                         break

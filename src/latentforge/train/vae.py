@@ -267,8 +267,7 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
         step, seconds_before, history = c.step, float(c.meta["train_seconds"]), list(c.meta["history"])
         print(f"resuming from {resume_from}", flush=True)  # also with --quiet
     else:
-        if out.is_dir() and any(out.iterdir()) and not (out / CONFIG_FILE).is_file():
-            raise UserError(f"{out}: exists, is not empty and holds no VAE training: use a new or empty directory")
+        storage.refuse_foreign_dir(out, (CONFIG_FILE,), "VAE training")
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / CONFIG_FILE)
 
