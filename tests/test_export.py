@@ -9,6 +9,7 @@ sample`` for the same seed, for every sampler, with and without EMA weights.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -28,6 +29,7 @@ from latentforge.cli import main
 from latentforge.config import from_dict
 from latentforge.data.encode import EncodeConfig, encode_dataset
 from latentforge.diffusion.schedule import SAMPLERS, scheduler_config
+from latentforge.export.diffusers_pipeline import load_exported
 from latentforge.inference import (
     decode_latents,
     generate,
@@ -233,6 +235,37 @@ def test_pipeline_default_size_is_the_training_resolution(run, exports):
     images = pipe(PROMPTS[:1], num_inference_steps=2, generator=torch.Generator("cpu").manual_seed(0),
                   output_type="np").images
     assert images.shape == (1, RES, RES, 3)
+
+
+def test_load_exported_is_from_pretrained_without_its_noise(build_run, exports, capfd):
+    """The demo loads its export as a user does, minus the loading bars and diffusers' warning that a
+    BERT text encoder is not a CLIPTextModel; the same images, and the warning is back afterwards."""
+    from diffusers import DiffusionPipeline
+
+    class Record(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    path = exports(build_run("bert"))
+    logger, record = logging.getLogger("diffusers.pipelines.pipeline_utils"), Record()
+    logger.addHandler(record)
+    try:
+        capfd.readouterr()
+        ours = load_exported(path)
+        quiet, quiet_log = capfd.readouterr().err, list(record.messages)
+        theirs = DiffusionPipeline.from_pretrained(str(path), local_files_only=True)
+        theirs.set_progress_bar_config(disable=True)
+        loud, loud_log = capfd.readouterr().err, list(record.messages[len(quiet_log):])
+    finally:
+        logger.removeHandler(record)
+    assert any(m.startswith("Expected types for text_encoder") for m in loud_log)
+    assert "Loading pipeline components" in loud and "Loading weights" in loud
+    assert quiet_log == [] and "Loading" not in quiet
+    np.testing.assert_array_equal(_pipeline_images(ours, seed=6), _pipeline_images(theirs, seed=6))
 
 
 def test_training_sample_grid_uses_the_ema_weights(build_run):

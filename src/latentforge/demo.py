@@ -318,21 +318,17 @@ def _evaluate(recipe: Any, out: Path, judge: Any, grid_dir: Path | None = None) 
     """Sample every split x wording with the exported pipeline (loaded as a user loads it) and score
     colour, shape, size and position with 95% intervals; the Fréchet distance in the judge's space.
     Grids and verdicts go to ``grid_dir`` (``out/samples`` by default)."""
-    from diffusers import DiffusionPipeline
-
     from latentforge.evaluate.alignment import check_new_wordings, make_prompts, score
     from latentforge.evaluate.judge import chance, features, textures, thumbnails, verdicts
     from latentforge.evaluate.metrics import frechet_distance
+    from latentforge.export.diffusers_pipeline import load_exported, pipeline_call_kwargs
     from latentforge.inference import make_grid
 
     d = recipe.demo
     size = recipe.ingest.image.resolution
     check_new_wordings()
-    pipe = DiffusionPipeline.from_pretrained(str(out / "export"), local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_exported(out / "export")
     _use_sampler(pipe, out, d.sampler)
-    from latentforge.export.diffusers_pipeline import pipeline_call_kwargs
-
     call = pipeline_call_kwargs(out / "export")  # a transformer's PixArtAlphaPipeline settings
     rng = np.random.default_rng(d.seed)
     train_combos = recipe.synth.train_combos()
@@ -532,16 +528,13 @@ def rescore_table(result: dict[str, Any]) -> str:
 def _export_and_check(recipe: Any, out: Path, comps: Any) -> dict[str, Any]:
     """Export, load with diffusers' DiffusionPipeline (offline, as a user does), and compare its
     images with ours."""
-    from diffusers import DiffusionPipeline
-
-    from latentforge.export.diffusers_pipeline import export_pipeline, pipeline_call_kwargs
+    from latentforge.export.diffusers_pipeline import export_pipeline, load_exported, pipeline_call_kwargs
     from latentforge.inference import generate
 
     export_dir = out / "export"
     shutil.rmtree(export_dir, ignore_errors=True)
     export_pipeline(out / "run", export_dir, scheduler=recipe.demo.sampler)
-    pipe = DiffusionPipeline.from_pretrained(str(export_dir), local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_exported(export_dir)
     prompts = ["a small red star in the top left", "a large blue square in the center"]
     res = recipe.ingest.image.resolution
     theirs = pipe(prompts, num_inference_steps=10, guidance_scale=4.0, height=res, width=res,

@@ -35,6 +35,7 @@ cannot run FlowMatchEulerDiscreteScheduler (``euler``), which has no ``init_nois
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -149,3 +150,36 @@ def pipeline_call_kwargs(export_dir: str | Path) -> dict:
         return dict(json.loads(record.read_text()).get("call") or {})
     except (ValueError, AttributeError, TypeError):
         return {}
+
+
+class _DropTextEncoderTypeWarning(logging.Filter):
+    """diffusers warns that a BERT-family text encoder (the demo's MiniLM) is not the CLIPTextModel
+    its Stable Diffusion pipeline names: harmless, the pipeline only calls the encoder (README)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Expected types for text_encoder")
+
+
+def load_exported(export_dir: str | Path):
+    """The pipeline ``export`` wrote, loaded the way a user loads it (``DiffusionPipeline.from_pretrained``,
+    offline), without the loading bars of diffusers and transformers and the text-encoder type warning;
+    its own progress bar off."""
+    from diffusers import DiffusionPipeline
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    logger = logging.getLogger("diffusers.pipelines.pipeline_utils")
+    quiet = _DropTextEncoderTypeWarning()
+    bars = [(m, m.is_progress_bar_enabled()) for m in (diffusers_logging, transformers_logging)]
+    logger.addFilter(quiet)
+    for m, _ in bars:
+        m.disable_progress_bar()
+    try:
+        pipe = DiffusionPipeline.from_pretrained(str(export_dir), local_files_only=True)
+    finally:
+        logger.removeFilter(quiet)
+        for m, was in bars:
+            if was:
+                m.enable_progress_bar()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
