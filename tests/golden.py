@@ -33,7 +33,7 @@ TINY = [
     "train.phases.0.steps=120", "train.micro_batch_size=16", "train.optim.warmup_steps=10",
     "train.optim.lr=1e-3",  # the learning rate the floor was calibrated at (the recipe's is 2e-3 since)
     "train.optim.betas=[0.9,0.999]",  # ... and AdamW's betas (the recipe's beta2 is 0.95 since run 22)
-    # ... and the U-Net (the recipe's is [16, 32, 64] since run 14)
+    # ... and the U-Net (the recipe's is [32, 32, 64] since run 23)
     "train.unet.block_out_channels=[32,64,128]", "train.unet.attention_head_dim=[1,2,4]",
     "train.unet.norm_num_groups=16",
     "demo.guidance_scale=4.0",  # ... and the guidance scale (the recipe's is 3 since run 15)
