@@ -18,7 +18,7 @@ from latentforge.data.buckets import BucketSchedule, build_bucket_loader, read_b
 from latentforge.data.encode import EncodeConfig, encode_dataset
 from latentforge.data.ingest import ingest
 from latentforge.data.loader import LoaderConfig, StreamConfig
-from latentforge.errors import ConfigError
+from latentforge.errors import ConfigError, UserError
 from latentforge.recipe import load_recipe
 from test_finetune import make_tiny_pipeline
 from test_trainer import Killed, assert_same_tensors, kill_before_step, load_step, metrics
@@ -118,6 +118,26 @@ def test_bucketed_encode_writes_one_dataset_per_shape(bucketed):
         index = json.loads((Path(b["path"]) / "index.json").read_text())
         assert index["columns"]["latent_mean"] == f"ndarray:float16:4,{b['height'] // 2},{b['width'] // 2}"
         assert index["meta"]["bucket"] == [b["width"], b["height"]]
+
+
+def test_bucketed_encode_refuses_a_foreign_or_plain_output_dir(bucketed, tmp_path):
+    """A bucketed encode writes only into an empty directory or its own earlier output: not into an
+    unrelated directory, nor into a plain (one-shape) encode's output."""
+    cfg = EncodeConfig(vae=str(bucketed["pipe"]), text_encoder=str(bucketed["pipe"]), max_length=12, batch_size=4,
+                       device="cpu")
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    plain = tmp_path / "plain"
+    (plain / ".progress").mkdir(parents=True)
+    (plain / ".progress" / "meta.json").write_text("{}")
+    for out in (foreign, plain):
+        before = sorted(p.relative_to(out) for p in out.rglob("*"))
+        with pytest.raises(UserError) as err:
+            encode_dataset(str(bucketed["root"] / "raw"), str(out), cfg, progress=False)
+        assert str(err.value) == (f"{out}: exists, is not empty and holds no bucketed encode output "
+                                  "(no .progress/buckets): use a new or empty directory")
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 
 def _loader(bucketed, micro: int, leftovers: str = "carry", rank: int = 0, world_size: int = 1):

@@ -225,8 +225,11 @@ def test_resume_refuses_other_inputs(assets, tmp_path):
     unrelated = tmp_path / "unrelated"
     unrelated.mkdir()
     (unrelated / "notes.txt").write_text("mine")
-    with pytest.raises(UserError, match="not empty"):
+    with pytest.raises(UserError) as err:
         encode_dataset(str(assets["raw"]), str(unrelated), _cfg(assets), progress=False)
+    assert str(err.value) == (f"{unrelated}: exists, is not empty and holds no encode output (no .progress/meta.json): "
+                              "use a new or empty directory")
+    assert sorted(p.name for p in unrelated.iterdir()) == ["notes.txt"]
 
 
 def test_missing_or_damaged_raw_shards_stop_before_any_work(assets, tmp_path):

@@ -245,8 +245,8 @@ def _open_out_dir(out: Path, meta: dict) -> None:
         if diffs:
             raise UserError(f"{out}: was encoded with a different {'; '.join(diffs)}: "
                             "use a new output directory or delete this one")
-    elif out.exists() and any(out.iterdir()):
-        raise UserError(f"{out}: exists, is not empty and is not an encode output: use a new or empty directory")
+    else:
+        storage.refuse_foreign_dir(out, (f"{PROGRESS}/meta.json",), "encode output")
     storage.atomic_write_bytes(record, json.dumps(meta, indent=1).encode())
     # The dataset is incomplete until every shard is done again (index.json is the completion marker).
     (out / INDEX).unlink(missing_ok=True)
@@ -658,9 +658,8 @@ def _encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: boo
         raise UserError(f"{raw_dir}: bucket size(s) {', '.join(bad)} are not multiples of the VAE's downsample "
                         f"factor {factor}")
     out = Path(out_dir)
+    storage.refuse_foreign_dir(out, (f"{PROGRESS}/buckets",), "bucketed encode output")
     out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()) and not (out / PROGRESS / "buckets").is_file():
-        raise UserError(f"{out}: exists, is not empty and is not a bucketed encode output: use a new or empty directory")
     storage.atomic_write_bytes(out / PROGRESS / "buckets", b"")
     (out / BUCKETS).unlink(missing_ok=True)  # the completion marker of the whole, rewritten last
     buckets, summaries = [], []
