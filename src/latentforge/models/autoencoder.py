@@ -17,6 +17,7 @@ import torch
 from diffusers import AutoencoderKL
 
 from latentforge.errors import ConfigError, UserError
+from latentforge.models.hub import hub_source, offline_hint, quiet_hub_calls
 
 __all__ = [
     "AutoencoderConfig",
@@ -134,8 +135,9 @@ def first_line(exc: BaseException) -> str:
 def load_error(path_or_id: str, what: str, exc: BaseException) -> UserError:
     """A one-line error for a failed ``from_pretrained``."""
     if not Path(path_or_id).expanduser().exists():
-        return UserError(f"{path_or_id}: no such local directory, and loading it as a hub id failed: "
-                         f"{first_line(exc)}")
+        hint = offline_hint(path_or_id)
+        return UserError(f"{path_or_id}: no such local directory, and loading it as a hub id failed"
+                         + (hint if hint else f": {first_line(exc)}"))
     return UserError(f"{path_or_id}: cannot load the {what}: {first_line(exc)}")
 
 
@@ -145,7 +147,9 @@ def load_vae(path_or_id: str, dtype: torch.dtype | None = None,
     directory (or a pipeline directory with a ``vae/`` subfolder) or a hub id."""
     where, subfolder = locate_pretrained(path_or_id, "vae")
     try:
-        config = AutoencoderKL.load_config(where, subfolder=subfolder)
+        with quiet_hub_calls():
+            where = hub_source(where)
+            config = AutoencoderKL.load_config(where, subfolder=subfolder)
     except (OSError, ValueError) as e:
         raise load_error(path_or_id, "VAE config", e) from None
     cls = config.get("_class_name")
@@ -154,8 +158,9 @@ def load_vae(path_or_id: str, dtype: torch.dtype | None = None,
     try:
         # low_cpu_mem_usage=False: the fast path needs `accelerate`, which is not a dependency.
         # dtype None = float32 (an exact upcast of float16/bfloat16 weights).
-        vae = AutoencoderKL.from_pretrained(where, subfolder=subfolder, use_safetensors=True,
-                                            low_cpu_mem_usage=False, torch_dtype=dtype)
+        with quiet_hub_calls():
+            vae = AutoencoderKL.from_pretrained(where, subfolder=subfolder, use_safetensors=True,
+                                                low_cpu_mem_usage=False, torch_dtype=dtype)
     except (OSError, ValueError) as e:
         raise load_error(path_or_id, "VAE (safetensors weights required)", e) from None
     vae.requires_grad_(False).eval()

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from latentforge.errors import UserError
+from latentforge.models.hub import hub_source, offline_hint, quiet_hub_calls
 
 __all__ = ["load_pretrained"]
 
@@ -29,8 +30,9 @@ def load_pretrained(model_class: type, path_or_id: str, subfolder: str | None = 
         raise UserError(f"{label}: no such directory")
     try:
         # accelerate is not a dependency; without it diffusers loads this way anyway (and warns).
-        return model_class.from_pretrained(str(local) if local.exists() else path_or_id, subfolder=subfolder,
-                                           use_safetensors=True, low_cpu_mem_usage=False)
+        with quiet_hub_calls():
+            return model_class.from_pretrained(str(local) if local.exists() else hub_source(path_or_id),
+                                               subfolder=subfolder, use_safetensors=True, low_cpu_mem_usage=False)
     except (OSError, ValueError) as e:
         raise UserError(f"{label}: cannot load a diffusers {model_class.__name__} with safetensors weights "
-                        f"there ({e})") from e
+                        f"there{offline_hint(path_or_id) or f' ({e})'}") from e

