@@ -327,11 +327,13 @@ class Encoders:
     def text_arrays(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
         return self.token_arrays(self.tokenize(captions))
 
-    def num_truncated(self, captions: Sequence[str]) -> int:
-        """How many of ``captions`` have more tokens than ``max_length`` (their embeddings see only
-        the first ``max_length``; the shards keep the whole caption)."""
+    def truncated(self, captions: Sequence[str]) -> np.ndarray:
+        """Which of ``captions`` have more tokens than ``max_length`` (their embeddings see only
+        the first ``max_length``; the shards keep the whole caption), as a bool array."""
+        if not captions:
+            return np.zeros(0, dtype=bool)
         ids = self.tokenizer(list(captions), truncation=False, verbose=False)["input_ids"]
-        return sum(len(x) > self.max_length for x in ids)
+        return np.array([len(x) > self.max_length for x in ids], dtype=bool)
 
     def tokenize(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
         """The tokens of ``captions`` for :meth:`token_arrays`. A fast tokenizer must not be called
@@ -429,7 +431,7 @@ def _prepare(enc: Encoders, batch: dict[str, list[Any]], size: tuple[int, int], 
     good, pixels, rejected = decode_batch(batch["key"], batch["image"], size, shard)
     captions = [batch["caption"][i] for i in good]
     tokens = enc.tokenize(captions) if good else None
-    return _Prepared(batch, good, pixels, tokens, rejected, enc.num_truncated(captions) if good else 0)
+    return _Prepared(batch, good, pixels, tokens, rejected, int(enc.truncated(captions).sum()))
 
 
 # Batches decoded and tokenised ahead of the encoders' forward pass (in one reader thread, which

@@ -109,8 +109,12 @@ class EncoderActor:
         """Ray Data: a batch of decoded rows -> the same rows with the encoders' outputs."""
         ok = batch["ok"].astype(bool)
         pixels = batch["pixels"][ok] if ok.any() else None
-        arrays = self.arrays(pixels, [str(c) for c in batch["caption"]], ok)
-        return {**{k: v for k, v in batch.items() if k != "pixels"}, **arrays}
+        captions = [str(c) for c in batch["caption"]]
+        arrays = self.arrays(pixels, captions, ok)
+        # Counted here, in the actors, as the local encode counts them in its reader thread (not in the driver).
+        truncated = np.zeros(len(ok), dtype=bool)
+        truncated[ok] = self.enc.truncated([captions[i] for i in np.flatnonzero(ok)])
+        return {**{k: v for k, v in batch.items() if k != "pixels"}, **arrays, "truncated": truncated}
 
     def encode_raw(self, keys: list[str], images: list[bytes], captions: list[str]) -> dict[str, np.ndarray]:
         """Online encoding: raw image bytes and captions of one micro batch -> encoder outputs;
@@ -186,10 +190,10 @@ class _ShardSink:
             self.rejected.append({"shard": self.name, "key": raw["key"][i], "reason": str(batch["reason"][idx[i]]),
                                   "detail": str(batch["detail"][idx[i]])})
         good = np.flatnonzero(ok)
-        arrays = {k: batch[k][idx[good]] for k in batch if k not in raw and k not in ("shard", "ok", "reason", "detail")}
+        arrays = {k: batch[k][idx[good]] for k in batch
+                  if k not in raw and k not in ("shard", "ok", "reason", "detail", "truncated")}
         rows, bad, _ = build_rows(raw, good.tolist(), arrays, self.name, enc.storage)
-        if good.size:
-            self.truncated += enc.num_truncated([raw["caption"][i] for i in good])
+        self.truncated += int(batch["truncated"][idx[good]].sum())
         for row in rows:
             self.writer.write(row)
         self.rejected += bad
