@@ -158,6 +158,8 @@ CASES = [
     c("train.phases[0].steps", "0", "set exactly one of steps and samples"),
     c("train.phases[0].resolution", "-1", "must be >= 0"),
     c("train.phases[0].lr", "-1", "must be >= 0"),
+    c("train.phases[0].min_snr_floor", "1.5", "must be in [0, 1]"),
+    c("train.phases[0].min_snr_floor", "0.2", "min_snr_gamma is 0", "train.min_snr_gamma=0"),
     c("train.phases[0].datasets[0].weight", "0", "must be > 0", "train.phases.0.datasets=[{path: a}]"),
     c("train.checkpoint.every_steps", "0", "must be >= 1"),
     c("train.checkpoint.keep_last", "0", "must be >= 1"),

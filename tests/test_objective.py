@@ -23,6 +23,7 @@ code under test (``sample_noise``); their roles, and their statistics, are check
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -192,6 +193,26 @@ def test_a_min_snr_floor_lifts_the_noisy_samples_weight_in_the_loss(fixed_batch)
                            fixed_batch["text_hidden"], probe_function, abar, "v_prediction", 5.0, floor=0.3)
     torch.testing.assert_close(loss.double(), expected, rtol=2e-5, atol=1e-7)
     assert not torch.isclose(loss, plain, rtol=1e-3)
+
+
+def test_a_phase_s_own_min_snr_floor_applies_in_that_phase_only(fixed_batch):
+    """Two phases, the second with min_snr_floor 0.3 (the run's is 0): phase 0's loss is plain
+    min-SNR, phase 1's the floored one; a phase without its own floor takes train.min_snr_floor."""
+    noise_cfg = NoiseScheduleConfig(prediction_type="v_prediction")
+    probe = Probe()
+    plain = make_trainer(probe, noise_cfg, min_snr_gamma=5.0).loss_on(fixed_batch)
+    floored = make_trainer(probe, noise_cfg, min_snr_gamma=5.0, min_snr_floor=0.3).loss_on(fixed_batch)
+    phases = [PhaseConfig(datasets=[StreamConfig(path="unused")], steps=1),
+              PhaseConfig(datasets=[StreamConfig(path="unused")], steps=1, min_snr_floor=0.3)]
+    trainer = make_trainer(probe, noise_cfg, min_snr_gamma=5.0)
+    trainer.cfg = replace(trainer.cfg, phases=phases)
+    assert [trainer.cfg.min_snr_floor_of(i) for i in (0, 1)] == [0.0, 0.3]
+    assert torch.equal(trainer.loss_on(fixed_batch), plain)
+    trainer.phase = 1
+    assert torch.equal(trainer.loss_on(fixed_batch), floored)
+    assert not torch.isclose(plain, floored, rtol=1e-3)
+    inherit = replace(trainer.cfg, min_snr_floor=0.3, phases=[phases[0], replace(phases[1], min_snr_floor=0.0)])
+    assert [inherit.min_snr_floor_of(i) for i in (0, 1)] == [0.3, 0.0]
 
 
 def test_zero_terminal_snr_reference_ends_at_pure_noise():

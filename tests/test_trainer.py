@@ -223,7 +223,7 @@ def test_two_phases_switch_by_themselves_and_resume_exactly_mid_phase(latent_dat
 
     records = metrics(a)
     assert [r["phase"] for r in records] == [0] * 4 + [1] * 6
-    assert [r["samples_seen"] for r in records] == [8, 16, 24, 32, 4, 8, 12, 16, 20, 24]
+    assert [r["samples_seen"] for r in records] == [8, 16, 24, 32, 36, 40, 44, 48, 52, 56]
     optim = OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine")
     for r in records:
         peak = 1e-3 if r["phase"] == 0 else 5e-4
@@ -237,9 +237,29 @@ def test_two_phases_switch_by_themselves_and_resume_exactly_mid_phase(latent_dat
         with pytest.raises(Killed):
             run(cfg, b)
     assert checkpoint_steps(b) == [3, 4, 6]
-    assert load_step(b, 6).meta["loader"]["cursor"] == 8  # 2 steps of 4 samples into phase 2
+    # Phase 2 reads on at global position 32, where phase 1 stopped: 2 steps of 4 samples into it.
+    assert load_step(b, 6).meta["loader"]["cursor"] == 32 + 8
     run(apply_overrides(cfg, ["data.num_workers=2"]), b)
     assert_same_run(a, b)
+
+
+def test_a_phase_on_the_same_data_reads_on_where_the_previous_one_stopped(latent_data, tmp_path, monkeypatch):
+    """Two phases over one dataset (a masked then an unmasked phase, or a loss-weighting change):
+    the second reads the global positions after the first's, so no (sample, timestep, noise) of
+    the first phase comes again and the samples past its end are reached."""
+    seen: list[tuple[int, list[int]]] = []
+    step = Trainer.train_step
+
+    def record(self, batches):
+        seen.append((self.phase, [int(p) for b in batches for p in b["_position"]]))
+        return step(self, batches)
+
+    monkeypatch.setattr(Trainer, "train_step", record)
+    same = [{"path": str(latent_data["latent16"])}]
+    run(run_config(latent_data, phases=[{"datasets": same, "steps": 2}, {"datasets": same, "steps": 3}]),
+        tmp_path / "run")
+    assert [phase for phase, _ in seen] == [0, 0, 1, 1, 1]
+    assert [p for _, positions in seen for p in positions] == list(range(5 * 8))
 
 
 def test_max_seconds_stops_with_a_checkpoint_and_each_rerun_continues(straight, latent_data, tmp_path):

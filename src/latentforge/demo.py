@@ -562,6 +562,14 @@ def _train_stats(run: Path) -> dict[str, Any]:
 _BACKBONE_NAMES = {"unet": "U-Net", "dit": "diffusion transformer"}
 
 
+def _floor_option(t: Any) -> dict[str, Any]:
+    """The min-SNR floor, if any: one value, or one per phase where the phases differ."""
+    floors = [t.min_snr_floor_of(i) for i in range(len(t.phases))] or [t.min_snr_floor]
+    if not any(floors):
+        return {}
+    return {"min_snr_floor": floors[0] if len(set(floors)) == 1 else floors}
+
+
 def _options(recipe: Any, enc_cfg: Any) -> dict[str, Any]:
     t = recipe.train
     return {
@@ -572,7 +580,7 @@ def _options(recipe: Any, enc_cfg: Any) -> dict[str, Any]:
         t.model: {k: v for k, v in vars(getattr(t, t.model)).items() if v is not None},
         "prediction_type": t.noise.prediction_type,
         "min_snr_gamma": t.min_snr_gamma,
-        **({"min_snr_floor": t.min_snr_floor} if t.min_snr_floor else {}),
+        **_floor_option(t),
         "caption_dropout": recipe.loader.caption_dropout,
         "batch": t.global_batch_size or t.micro_batch_size,
         "lr": t.optim.lr,

@@ -682,6 +682,14 @@ class TrainLoader:
         self._generation += 1  # an earlier iterator stops at its next step
         self.cursor = cursor
 
+    def start_at(self, cursor: int) -> None:
+        """Read on from global position ``cursor`` (a later training phase continues the order where
+        the earlier ones stopped). Like ``load_state_dict``, before iterating."""
+        if cursor < 0:
+            raise ValueError(f"cursor must be >= 0, got {cursor}")
+        self._generation += 1
+        self.cursor = cursor
+
     def __iter__(self) -> Iterator[Any]:
         self._generation += 1
         generation = self._generation

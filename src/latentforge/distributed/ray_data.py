@@ -306,6 +306,12 @@ class OnlineLoader:
         self._generation += 1
         self.cursor = self.raw.cursor
 
+    def start_at(self, cursor: int) -> None:
+        """:meth:`TrainLoader.start_at`."""
+        self.raw.start_at(cursor)
+        self._generation += 1
+        self.cursor = self.raw.cursor
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._generation += 1
         self.raw.cursor = self.cursor  # batches encoded ahead but not handed out are read again

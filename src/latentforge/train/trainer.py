@@ -86,6 +86,9 @@ class PhaseConfig:
     masking_ratio: float | None = field(default=None, metadata={
         "help": "fraction of the latent patches dropped in this phase's training samples (train.model: dit); "
                 "null = train.masking.ratio, 0 = unmasked (e.g. a final unmasked phase, as MicroDiT ends)"})
+    min_snr_floor: float | None = field(default=None, metadata={
+        "help": "the least min-SNR loss weight of the noisy timesteps in this phase; null = train.min_snr_floor "
+                "(e.g. a first phase at 0, where the shapes are learned, then a floor for the layout)"})
 
     def validate(self) -> None:
         problems = Problems()
@@ -103,6 +106,8 @@ class PhaseConfig:
         if self.masking_ratio is not None and not 0 <= self.masking_ratio < 1:
             problems.add(f"masking_ratio: must be >= 0 and < 1, got {self.masking_ratio}; the fraction of patches "
                          "dropped in this phase (0 = unmasked, null = train.masking.ratio)")
+        if self.min_snr_floor is not None and not 0 <= self.min_snr_floor <= 1:
+            problems.add(f"min_snr_floor: must be in [0, 1], got {self.min_snr_floor}; null = train.min_snr_floor")
         for i, ds in enumerate(self.datasets):
             problems.nested(f"datasets[{i}]", ds)
         problems.raise_if_any()
@@ -240,6 +245,10 @@ class TrainConfig:
         elif self.min_snr_floor and not self.min_snr_gamma:
             problems.add(f"min_snr_floor: {self.min_snr_floor} raises min-SNR weights, but min_snr_gamma is 0 "
                          "(off): set min_snr_gamma (e.g. 5) or min_snr_floor: 0")
+        for i, phase in enumerate(self.phases):
+            if phase.min_snr_floor and not self.min_snr_gamma:
+                problems.add(f"phases[{i}].min_snr_floor: {phase.min_snr_floor} raises min-SNR weights, but "
+                             "min_snr_gamma is 0 (off): set min_snr_gamma (e.g. 5) or remove the phase's floor")
         if self.offset_noise < 0:
             problems.add(f"offset_noise: must be >= 0, got {self.offset_noise}; 0 = off, 0.05-0.1 is usual")
         if self.max_skipped_steps < 0:
@@ -298,6 +307,11 @@ class TrainConfig:
                              "blocks leaves none to run on the kept patches only: use fewer")
         problems.raise_if_any()
 
+
+    def min_snr_floor_of(self, phase: int) -> float:
+        """The min-SNR floor of phase ``phase``'s loss: the phase's min_snr_floor, else min_snr_floor."""
+        own = self.phases[phase].min_snr_floor if phase < len(self.phases) else None
+        return self.min_snr_floor if own is None else own
 
     def masking_ratio_of(self, phase: int) -> float:
         """The fraction of patches the training steps of phase ``phase`` drop: the phase's
@@ -609,7 +623,7 @@ class Trainer:
         weights = None
         if cfg.min_snr_gamma:
             weights = min_snr_weight(snr(self.alphas_cumprod, t), cfg.min_snr_gamma, cfg.noise.prediction_type,
-                                     cfg.min_snr_floor)
+                                     cfg.min_snr_floor_of(self.phase))
         return diffusion_loss(pred, target, weights)
 
     def noisy(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
@@ -684,6 +698,11 @@ class Trainer:
                 self.loader = self.make_loader(self.phase, micro)
                 if meta is not None and meta.get("loader") and meta["phase"] == self.phase:
                     self.loader.load_state_dict(meta["loader"])
+                elif hasattr(self.loader, "start_at"):
+                    # A phase reads on where the earlier phases stopped: restarting the order would, on the
+                    # same data, repeat each (sample, timestep, noise) of the first phase and never reach
+                    # the samples past its end. (A bucketed loader's rounds restart with each phase.)
+                    self.loader.start_at(self.samples_at(phase_start))
                 meta = None
                 batches: Iterator[dict[str, Any]] = iter(self.loader)
                 t_log, samples_since_log = time.perf_counter(), 0
@@ -702,7 +721,7 @@ class Trainer:
                         rate = samples_since_log / (now - t_log)
                         record = {"step": self.step, "phase": self.phase, "loss": self._mean(loss),
                                   "grad_norm": float(grad_norm), "lr": lr,
-                                  "img_per_s": rate, "samples_seen": self.loader.cursor,
+                                  "img_per_s": rate, "samples_seen": self.samples_at(self.step),
                                   "skipped_steps": self.skipped_steps}
                         if self.flops_per_image and self.peak_flops:
                             per_device = rate / self.world.world_size
