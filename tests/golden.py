@@ -36,6 +36,7 @@ TINY = [
     # ... and the U-Net (the recipe's is [32, 32, 64] since run 23)
     "train.unet.block_out_channels=[32,64,128]", "train.unet.attention_head_dim=[1,2,4]",
     "train.unet.norm_num_groups=16",
+    "train.min_snr_floor=0",  # ... and the loss weighting (the recipe's min-SNR floor is 0.05 since run 24)
     "demo.guidance_scale=4.0",  # ... and the guidance scale (the recipe's is 3 since run 15)
     "train.log_every=10", "train.checkpoint.every_steps=60", "train.eval.every_steps=60",
     "train.val.every_steps=60", "train.val.num_samples=24",
