@@ -293,6 +293,25 @@ def test_bad_model_paths_are_one_line_user_errors(assets, tmp_path):
         encode_dataset(str(tmp_path), str(tmp_path / "out"), _cfg(assets), progress=False)
 
 
+def test_loading_a_text_encoder_draws_no_loading_bar_and_leaves_the_bars_as_they_were(assets, capfd):
+    """transformers draws a bar for every model it loads (the demo loads MiniLM eight times): off
+    while the encoder loads, back on afterwards when it was on."""
+    from transformers.utils import logging as transformers_logging
+
+    from latentforge.models.text import load_text_encoder
+
+    was = transformers_logging.is_progress_bar_enabled()
+    try:
+        for on in (True, False):
+            (transformers_logging.enable_progress_bar if on else transformers_logging.disable_progress_bar)()
+            capfd.readouterr()
+            load_text_encoder(str(assets["bert"]))
+            assert "Loading weights" not in capfd.readouterr().err
+            assert transformers_logging.is_progress_bar_enabled() is on
+    finally:
+        (transformers_logging.enable_progress_bar if was else transformers_logging.disable_progress_bar)()
+
+
 def test_config_validation():
     cfg = from_dict(EncodeConfig, {"text_encoder": "t"})  # a recipe may leave the VAE to --vae
     with pytest.raises(ConfigError, match="^encode.vae: required"):

@@ -165,21 +165,16 @@ def load_exported(export_dir: str | Path):
     offline), without the loading bars of diffusers and transformers and the text-encoder type warning;
     its own progress bar off."""
     from diffusers import DiffusionPipeline
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
+
+    from latentforge.models.pretrained import no_loading_bars
 
     logger = logging.getLogger("diffusers.pipelines.pipeline_utils")
     quiet = _DropTextEncoderTypeWarning()
-    bars = [(m, m.is_progress_bar_enabled()) for m in (diffusers_logging, transformers_logging)]
     logger.addFilter(quiet)
-    for m, _ in bars:
-        m.disable_progress_bar()
     try:
-        pipe = DiffusionPipeline.from_pretrained(str(export_dir), local_files_only=True)
+        with no_loading_bars():
+            pipe = DiffusionPipeline.from_pretrained(str(export_dir), local_files_only=True)
     finally:
         logger.removeFilter(quiet)
-        for m, was in bars:
-            if was:
-                m.enable_progress_bar()
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -7,14 +7,16 @@ wrong is one line naming the place.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from latentforge.errors import UserError
 from latentforge.models.hub import hub_source, offline_hint, quiet_hub_calls
 
-__all__ = ["load_pretrained"]
+__all__ = ["load_pretrained", "no_loading_bars"]
 
 
 def load_pretrained(model_class: type, path_or_id: str, subfolder: str | None = None,
@@ -36,3 +38,21 @@ def load_pretrained(model_class: type, path_or_id: str, subfolder: str | None = 
     except (OSError, ValueError) as e:
         raise UserError(f"{label}: cannot load a diffusers {model_class.__name__} with safetensors weights "
                         f"there{offline_hint(path_or_id) or f' ({e})'}") from e
+
+
+@contextlib.contextmanager
+def no_loading_bars() -> Iterator[None]:
+    """diffusers' and transformers' per-file loading bars off (a line of output for each model
+    loaded, however small), each restored as it was."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    bars = [(m, m.is_progress_bar_enabled()) for m in (diffusers_logging, transformers_logging)]
+    for m, _ in bars:
+        m.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for m, was in bars:
+            if was:
+                m.enable_progress_bar()

