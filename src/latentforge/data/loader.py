@@ -679,15 +679,14 @@ class TrainLoader:
         cursor = state.get("cursor")
         if not isinstance(cursor, int) or cursor < 0:
             raise UserError(f"data loader state: cursor must be an integer >= 0, got {cursor!r}")
-        self._generation += 1  # an earlier iterator stops at its next step
-        self.cursor = cursor
+        self.start_at(cursor)
 
     def start_at(self, cursor: int) -> None:
         """Read on from global position ``cursor`` (a later training phase continues the order where
-        the earlier ones stopped). Like ``load_state_dict``, before iterating."""
+        the earlier ones stopped; a resume, through ``load_state_dict``). Before iterating."""
         if cursor < 0:
             raise ValueError(f"cursor must be >= 0, got {cursor}")
-        self._generation += 1
+        self._generation += 1  # an earlier iterator stops at its next step
         self.cursor = cursor
 
     def __iter__(self) -> Iterator[Any]:
