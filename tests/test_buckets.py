@@ -21,6 +21,7 @@ from latentforge.data.loader import LoaderConfig, StreamConfig
 from latentforge.errors import ConfigError, UserError
 from latentforge.recipe import load_recipe
 from test_finetune import make_tiny_pipeline
+from latentforge.train.trainer import Trainer
 from test_trainer import Killed, assert_same_tensors, kill_before_step, load_step, metrics
 
 # (width, height) of the source images: ingest snaps them to 32 px-area buckets of 8 px steps.
@@ -82,6 +83,13 @@ def test_schedule_is_a_function_of_seed_and_epoch_and_resumes_anywhere():
             == first[start:]
     buckets_of_epoch0 = [r[1] for r in first if r[0] == 0]
     assert buckets_of_epoch0 != sorted(buckets_of_epoch0)  # shuffled, not bucket by bucket
+
+
+@pytest.mark.parametrize("leftovers", ["carry", "small_batch"])
+def test_samples_before_a_round_sums_the_lengths_of_the_rounds_before_it(leftovers):
+    schedule = BucketSchedule([7, 5, 3], 4, seed=1, leftovers=leftovers)
+    lengths = [length for _, _, _, length in itertools.islice(schedule.rounds(0), 30)]
+    assert [schedule.samples_before(i) for i in range(31)] == [0, *itertools.accumulate(lengths)]
 
 
 # ------------------------------------------------------------------ encode and load
@@ -190,14 +198,18 @@ def test_small_batch_loader_reads_each_sample_once_and_logs_it(bucketed, caplog)
         _loader(bucketed, micro=2, leftovers="small_batch", world_size=2)
 
 
+def _finetune_args(bucketed, run_dir: Path, *more: str, phase_steps: tuple[int, ...] = (6,)) -> list[str]:
+    phases = ", ".join(f"{{datasets: [{{path: '{bucketed['latents']}'}}], steps: {n}}}" for n in phase_steps)
+    return ["finetune", str(run_dir), "--from", str(bucketed["pipe"]), "--quiet", f"train.phases=[{phases}]",
+            "train.micro_batch_size=2", "train.global_batch_size=4", "train.device=cpu", "train.loggers=[]",
+            "train.log_every=1", "train.checkpoint.every_steps=3", "train.checkpoint.keep_last=5",
+            "train.lora={rank: 2}", "train.optim.lr=1e-2", "loader.num_workers=0",
+            f"loader.cache_dir={bucketed['cache']}", *more]
+
+
 def test_finetune_on_buckets_resumes_exactly(bucketed, tmp_path, monkeypatch):
     def args(run_dir: Path, *more: str) -> list[str]:
-        return ["finetune", str(run_dir), "--from", str(bucketed["pipe"]), "--quiet",
-                f"train.phases=[{{datasets: [{{path: '{bucketed['latents']}'}}], steps: 6}}]",
-                "train.micro_batch_size=2", "train.global_batch_size=4", "train.device=cpu", "train.loggers=[]",
-                "train.log_every=1", "train.checkpoint.every_steps=3", "train.checkpoint.keep_last=5",
-                "train.lora={rank: 2}", "train.optim.lr=1e-2", "loader.num_workers=0",
-                f"loader.cache_dir={bucketed['cache']}", *more]
+        return _finetune_args(bucketed, run_dir, *more)
 
     straight = tmp_path / "straight"
     assert main(args(straight)) == 0
@@ -211,3 +223,21 @@ def test_finetune_on_buckets_resumes_exactly(bucketed, tmp_path, monkeypatch):
     assert_same_tensors(load_step(straight, 6), load_step(resumed, 6))
     # small_batch cannot be split into the 2 accumulation steps of this run
     assert main(args(tmp_path / "bad", "loader.bucket_leftovers=small_batch")) == 2
+
+
+def test_a_second_phase_on_the_same_buckets_reads_the_rounds_after_the_first(bucketed, tmp_path, monkeypatch):
+    """Two phases of 2 and 4 steps over one bucketed dataset read the batches, and so train the
+    steps, of one phase of 6: the second phase does not replay the first one's rounds."""
+    seen: list[list[int]] = []
+    step = Trainer.train_step
+
+    def record(self, batches):
+        seen.append([int(p) for b in batches for p in b["_position"]])
+        return step(self, batches)
+
+    monkeypatch.setattr(Trainer, "train_step", record)
+    assert main(_finetune_args(bucketed, tmp_path / "one")) == 0
+    one, seen[:] = list(seen), []
+    assert main(_finetune_args(bucketed, tmp_path / "two", phase_steps=(2, 4))) == 0
+    assert seen == one and len({p for batch in one for p in batch}) == sum(len(b) for b in one)
+    assert [r["loss"] for r in metrics(tmp_path / "two")] == [r["loss"] for r in metrics(tmp_path / "one")]

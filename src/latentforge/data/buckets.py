@@ -139,6 +139,13 @@ class BucketSchedule:
         e = int(np.searchsorted(self._epoch_starts, round_index, side="right")) - 1
         return e, round_index - self._epoch_starts[e]
 
+    def samples_before(self, round_index: int) -> int:
+        """Samples that the global rounds before ``round_index`` hold (all ranks together)."""
+        if self.leftovers == "carry":
+            return round_index * self.round_size
+        epoch, i = self.locate(round_index)
+        return epoch * sum(self.sizes) + int(self.epoch(epoch)[2][:i].sum())
+
     def rounds(self, first: int) -> Iterator[tuple[int, int, int, int]]:
         """(epoch, bucket, start, length) of every round from global round ``first`` on (endless)."""
         epoch, i = self.locate(first)
@@ -229,6 +236,16 @@ class BucketLoader:
                             "buckets, world_size x micro batch or leftovers changed): restore them or start a new run")
         self._generation += 1
         self.rounds, self.cursor = int(state["rounds"]), int(state["cursor"])
+
+    def start_at(self, samples: int) -> None:
+        """Read on after ``samples`` training samples of earlier phases: from round ``ceil(samples /
+        round size)``, so that a phase with the round size of the one before reads the rounds that
+        follow its last (with another round size, about as far into the data). Before iterating."""
+        if samples < 0:
+            raise ValueError(f"samples must be >= 0, got {samples}")
+        self._generation += 1  # an earlier iterator stops at its next step
+        self.rounds = -(-samples // self.global_batch_size)
+        self.cursor = self.schedule.samples_before(self.rounds)
 
     def _log_leftovers(self, epoch: int) -> None:
         if epoch <= self._logged_epoch or self.rank != 0:

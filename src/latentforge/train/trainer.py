@@ -698,10 +698,10 @@ class Trainer:
                 self.loader = self.make_loader(self.phase, micro)
                 if meta is not None and meta.get("loader") and meta["phase"] == self.phase:
                     self.loader.load_state_dict(meta["loader"])
-                elif hasattr(self.loader, "start_at"):
+                else:
                     # A phase reads on where the earlier phases stopped: restarting the order would, on the
                     # same data, repeat each (sample, timestep, noise) of the first phase and never reach
-                    # the samples past its end. (A bucketed loader's rounds restart with each phase.)
+                    # the samples past its end (a bucketed loader: the rounds after the earlier phases').
                     self.loader.start_at(self.samples_at(phase_start))
                 meta = None
                 batches: Iterator[dict[str, Any]] = iter(self.loader)
