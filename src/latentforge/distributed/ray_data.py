@@ -302,9 +302,8 @@ class OnlineLoader:
         return {**self.raw.state_dict(), "cursor": self.cursor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.raw.load_state_dict(state)
-        self._generation += 1
-        self.cursor = self.raw.cursor
+        self.raw.load_state_dict(state)  # checks the state (seed, data fingerprint, cursor)
+        self.start_at(self.raw.cursor)
 
     def start_at(self, cursor: int) -> None:
         """:meth:`TrainLoader.start_at`."""
