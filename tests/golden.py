@@ -38,6 +38,7 @@ TINY = [
     "train.unet.norm_num_groups=16",
     "train.min_snr_floor=0",  # ... and the loss weighting (the recipe's min-SNR floor is 0.05 since run 24)
     "demo.guidance_scale=4.0",  # ... and the guidance scale (the recipe's is 3 since run 15)
+    "train.noise.timestep_spacing=leading",  # ... and the sampler's spacing (the recipe's is trailing since run 25)
     "train.log_every=10", "train.checkpoint.every_steps=60", "train.eval.every_steps=60",
     "train.val.every_steps=60", "train.val.num_samples=24",
     "demo.curve_per_combo=4", "demo.prompts_per_combo=8", "demo.wordings=[caption,plain]",

@@ -34,8 +34,10 @@ SRC = Path(latentforge.__file__).resolve().parent
 HELPERS = {"_check_names", "parse_combo", "lora_parallel_problems", "check_patch_size"}
 TINY, LORA = "tiny-cpu", "finetune-lora-8gb"
 FSDP = ["train.parallel.strategy=fsdp"]
-# min-SNR off, and with it the recipe's floor under its weights (tiny-cpu's is 0.05 since run 24)
-FLOW = ("train.noise.prediction_type=flow_matching", "train.min_snr_gamma=0", "train.min_snr_floor=0")
+# min-SNR off, and with it the recipe's floor under its weights (tiny-cpu's is 0.05 since run 24), and the
+# DDPM samplers' timestep spacing back to its default (tiny-cpu's is trailing since run 25)
+FLOW = ("train.noise.prediction_type=flow_matching", "train.min_snr_gamma=0", "train.min_snr_floor=0",
+        "train.noise.timestep_spacing=leading")
 
 
 @dataclass(frozen=True)
