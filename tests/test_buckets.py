@@ -20,8 +20,8 @@ from latentforge.data.ingest import ingest
 from latentforge.data.loader import LoaderConfig, StreamConfig
 from latentforge.errors import ConfigError, UserError
 from latentforge.recipe import load_recipe
-from test_finetune import make_tiny_pipeline
 from latentforge.train.trainer import Trainer
+from test_finetune import make_tiny_pipeline
 from test_trainer import Killed, assert_same_tensors, kill_before_step, load_step, metrics
 
 # (width, height) of the source images: ingest snaps them to 32 px-area buckets of 8 px steps.
