@@ -46,6 +46,7 @@ from latentforge.errors import UserError
 from latentforge.inference import load_components, resolve_checkpoint, run_dir_of
 from latentforge.train.run_files import load_run_files
 from latentforge.models.denoiser import denoiser_for
+from latentforge.models.pretrained import no_loading_bars
 
 
 def check_pipeline_sampler(pipeline_class: str, sampler: str, noise: NoiseScheduleConfig, where: str,
@@ -165,8 +166,6 @@ def load_exported(export_dir: str | Path):
     offline), without the loading bars of diffusers and transformers and the text-encoder type warning;
     its own progress bar off."""
     from diffusers import DiffusionPipeline
-
-    from latentforge.models.pretrained import no_loading_bars
 
     logger = logging.getLogger("diffusers.pipelines.pipeline_utils")
     quiet = _DropTextEncoderTypeWarning()
