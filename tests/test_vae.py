@@ -15,7 +15,7 @@ from latentforge.data.loader import LoaderConfig, StreamConfig
 from latentforge.models.autoencoder import load_vae
 from latentforge.train import vae as vae_module
 from latentforge.errors import ConfigError
-from latentforge.train.vae import VAETrainConfig, _load_eval_images, psnr, reconstruction_loss, train_vae
+from latentforge.train.vae import VAETrainConfig, _load_eval_images, noise_latents, psnr, reconstruction_loss, train_vae
 from tiny_models import make_raw_dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,6 +189,41 @@ def test_train_vae_optimises_the_configured_terms(raw, tmp_path, monkeypatch):
     assert [h["loss"] for h in metrics["history"]] == pytest.approx([c[1] for c in calls])
 
 
+
+
+def test_noise_latents_adds_per_image_noise_scaled_by_the_latent_std():
+    """Scale 0 is the identity; the added noise is linear in the scale (the same draws); per image
+    its std over the latent's values, in units of the batch's latent std, is |n| for one standard
+    normal n per image (mean sqrt(2 / pi) over many images); the gradient reaches z unchanged
+    (the std is not differentiated)."""
+    z = torch.randn(4000, 1, 16, 16, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    assert noise_latents(z, 0.0, torch.Generator().manual_seed(1)) is z
+    one = noise_latents(z, 1.0, torch.Generator().manual_seed(1)) - z
+    half = noise_latents(z, 0.5, torch.Generator().manual_seed(1)) - z
+    assert torch.allclose(half, one / 2, atol=1e-5)
+    level = one.flatten(1).std(1) / z.std()
+    assert float(level.mean()) == pytest.approx(math.sqrt(2 / math.pi), rel=0.03)
+    assert float(level.std()) == pytest.approx(math.sqrt(1 - 2 / math.pi), rel=0.05)
+    n = torch.randn(4000, 1, 1, 1, generator=torch.Generator().manual_seed(1)).abs().flatten()
+    assert torch.allclose(level, n, rtol=0.15, atol=0.02)  # 256 values a image: the std within ~5%
+    zg = z[:3].clone().requires_grad_(True)
+    noise_latents(zg, 2.0, torch.Generator().manual_seed(1)).sum().backward()
+    assert torch.equal(zg.grad, torch.ones_like(zg))
+
+
+def test_decoder_noise_reaches_the_decoder(raw, tmp_path, monkeypatch):
+    """The configured scale is what every training step's decoder input gets."""
+    scales = []
+
+    def spy(z, scale, generator):
+        scales.append(scale)
+        return noise_latents(z, scale, generator)
+
+    monkeypatch.setattr(vae_module, "noise_latents", spy)
+    cfg = vae_config(raw, seed=0, steps=2)
+    cfg.decoder_noise = 0.3
+    train_vae(cfg, tmp_path / "vae", progress=False)
+    assert scales == [0.3, 0.3]
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,10 @@ class VAETrainConfig:
     color_weight: float = field(default=0.0, metadata={
         "help": "extra weight of the L1/MSE terms on coloured pixels: each pixel counts 1 + color_weight x "
                 "its chroma (max - min over RGB, 0 for gray, 1 for a saturated colour) in the image; 0 = off"})
+    decoder_noise: float = field(default=0.0, metadata={
+        "help": "noise-augmented decoding: the decoder also sees latents with Gaussian noise of std "
+                "decoder_noise x |N(0, 1)| x the batch's latent std added, one draw per image, so that it "
+                "turns the denoiser's imperfect latents into clean images too; 0 = off"})
     scale_samples: int = field(default=512, metadata={"help": "training images used to measure the latent std"})
     seed: int = field(default=0, metadata={"help": "seed of the initialisation and the posterior samples"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
@@ -96,7 +100,7 @@ class VAETrainConfig:
             problems.add(f"batch_size: must be >= 1, got {self.batch_size}; images per step")
         if self.lr <= 0:
             problems.add(f"lr: must be > 0, got {self.lr}; e.g. 1e-4")
-        for name in ("kl_weight", "l1_weight", "mse_weight", "grad_weight", "color_weight"):
+        for name in ("kl_weight", "l1_weight", "mse_weight", "grad_weight", "color_weight", "decoder_noise"):
             if getattr(self, name) < 0:
                 problems.add(f"{name}: must be >= 0, got {getattr(self, name)}; 0 = the term is off")
         if self.l1_weight == self.mse_weight == self.grad_weight == 0:
@@ -167,6 +171,18 @@ def reconstruction_loss(rec: torch.Tensor, x: torch.Tensor, l1_weight: float = 1
         terms["grad"] = err.new_zeros(())
     terms["loss"] = l1_weight * terms["l1"] + mse_weight * terms["mse"] + grad_weight * terms["grad"]
     return terms
+
+
+def noise_latents(z: torch.Tensor, scale: float, generator: torch.Generator) -> torch.Tensor:
+    """``z`` (N, C, H, W) plus Gaussian noise of std ``scale * |n| * std(z)`` per image (``n ~ N(0, 1)``,
+    one draw per image; ``std(z)`` over the batch, not differentiated): the noise-augmented decoding
+    of Zheng et al. 2025 ("Diffusion transformers with representation autoencoders", sec. 3), which
+    trains the decoder on latents near, not only on, the encoder's. ``scale`` 0 returns ``z``."""
+    if not scale:
+        return z
+    level = torch.randn(z.shape[0], 1, 1, 1, generator=generator).abs().to(z.device)
+    eps = torch.randn(z.shape, generator=generator).to(z.device)
+    return z + scale * level * z.detach().std() * eps
 
 
 @torch.no_grad()
@@ -298,7 +314,7 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
         x = next(it)["pixels"].to(device)
         dist = vae.encode(x).latent_dist
         z = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=gen).to(device)
-        rec = vae.decode(z).sample
+        rec = vae.decode(noise_latents(z, cfg.decoder_noise, gen)).sample
         terms = reconstruction_loss(rec, x, cfg.l1_weight, cfg.mse_weight, cfg.grad_weight, cfg.color_weight)
         l1 = terms["l1"]
         kl = dist.kl().mean() / x[0].numel()  # per pixel, like the reconstruction terms
