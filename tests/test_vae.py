@@ -189,8 +189,6 @@ def test_train_vae_optimises_the_configured_terms(raw, tmp_path, monkeypatch):
     assert [h["loss"] for h in metrics["history"]] == pytest.approx([c[1] for c in calls])
 
 
-
-
 def test_noise_latents_adds_per_image_noise_scaled_by_the_latent_std():
     """Scale 0 is the identity; the added noise is linear in the scale (the same draws); per image
     its std over the latent's values, in units of the batch's latent std, is |n| for one standard
@@ -205,7 +203,7 @@ def test_noise_latents_adds_per_image_noise_scaled_by_the_latent_std():
     assert float(level.mean()) == pytest.approx(math.sqrt(2 / math.pi), rel=0.03)
     assert float(level.std()) == pytest.approx(math.sqrt(1 - 2 / math.pi), rel=0.05)
     n = torch.randn(4000, 1, 1, 1, generator=torch.Generator().manual_seed(1)).abs().flatten()
-    assert torch.allclose(level, n, rtol=0.15, atol=0.02)  # 256 values a image: the std within ~5%
+    assert torch.allclose(level, n, rtol=0.25, atol=0.02)  # 256 values a image: their std within ~5% (1 sigma)
     zg = z[:3].clone().requires_grad_(True)
     noise_latents(zg, 2.0, torch.Generator().manual_seed(1)).sum().backward()
     assert torch.equal(zg.grad, torch.ones_like(zg))

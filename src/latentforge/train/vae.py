@@ -176,7 +176,7 @@ def reconstruction_loss(rec: torch.Tensor, x: torch.Tensor, l1_weight: float = 1
 def noise_latents(z: torch.Tensor, scale: float, generator: torch.Generator) -> torch.Tensor:
     """``z`` (N, C, H, W) plus Gaussian noise of std ``scale * |n| * std(z)`` per image (``n ~ N(0, 1)``,
     one draw per image; ``std(z)`` over the batch, not differentiated): the noise-augmented decoding
-    of Zheng et al. 2025 ("Diffusion transformers with representation autoencoders", sec. 3), which
+    of Zheng et al. 2025 ("Diffusion transformers with representation autoencoders"), which
     trains the decoder on latents near, not only on, the encoder's. ``scale`` 0 returns ``z``."""
     if not scale:
         return z
