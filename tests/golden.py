@@ -30,7 +30,6 @@ TINY = [
     "synth.num=300", "synth.num_heldout=120",
     "vae.steps=100", "vae.num_eval=30",
     "vae.batch_size=16",  # the VAE batch the floor was calibrated at (the recipe's is 8 since run 20)
-    "vae.decoder_noise=0",  # ... and its decoder's inputs (the recipe's decoder sees noised latents since run 26)
     "train.phases.0.steps=120", "train.micro_batch_size=16", "train.optim.warmup_steps=10",
     "train.optim.lr=1e-3",  # the learning rate the floor was calibrated at (the recipe's is 2e-3 since)
     "train.optim.betas=[0.9,0.999]",  # ... and AdamW's betas (the recipe's beta2 is 0.95 since run 22)
