@@ -60,8 +60,9 @@ def ref_alphas_cumprod(schedule: str, beta_start: float, beta_end: float, zero_t
 
 
 def ref_loss(mean, std, post_noise, noise, t, hidden, model, abar, prediction_type, gamma, scale=SCALE, shift=SHIFT,
-             floor=0.0):
-    """The mean over the batch of the (min-SNR weighted, noisy side floored) per-sample MSE, in float64."""
+             floor=0.0, sample_weights=None):
+    """The mean over the batch of the (min-SNR weighted, noisy side floored, or ``sample_weights``
+    weighted) per-sample MSE, in float64."""
     x0 = mean.double()
     if post_noise is not None:
         x0 = x0 + std.double() * post_noise.double()
@@ -81,6 +82,8 @@ def ref_loss(mean, std, post_noise, noise, t, hidden, model, abar, prediction_ty
         if floor:
             w = torch.where(s < gamma, torch.clamp(w, min=floor), w)
         per_sample = per_sample * w
+    if sample_weights is not None:
+        per_sample = per_sample * sample_weights
     return per_sample.mean(), x_t
 
 
@@ -213,6 +216,82 @@ def test_a_phase_s_own_min_snr_floor_applies_in_that_phase_only(fixed_batch):
     assert not torch.isclose(plain, floored, rtol=1e-3)
     inherit = replace(trainer.cfg, min_snr_floor=0.3, phases=[phases[0], replace(phases[1], min_snr_floor=0.0)])
     assert [inherit.min_snr_floor_of(i) for i in (0, 1)] == [0.3, 0.0]
+
+
+def ref_min_snr_weights(abar: torch.Tensor, gamma: float, floor: float) -> torch.Tensor:
+    """The v-loss min-SNR weight of every timestep (Hang et al. 2023), the noisy side floored, float64."""
+    s = abar / (1 - abar)
+    w = torch.minimum(s, torch.tensor(gamma, dtype=s.dtype)) / (s + 1)
+    return torch.where(s < gamma, torch.clamp(w, min=floor), w)
+
+
+@pytest.mark.parametrize("power", [0.0, 0.5, 1.0])
+def test_importance_sampling_keeps_the_expected_weighted_loss(power):
+    """Timesteps drawn with density p proportional to w**power and weighted w / (T p): the expected
+    loss is the mean over all T timesteps of w * loss, for any per-timestep loss; power 0 is
+    uniform timesteps with weight w, power 1 a constant weight, the mean of w."""
+    from latentforge.diffusion.objectives import importance_density, importance_weight
+
+    w = ref_min_snr_weights(ref_alphas_cumprod("scaled_linear", 0.00085, 0.012, False), 5.0, 0.05)
+    density = importance_density(w.float(), power)
+    ref = w ** power / (w ** power).sum()
+    torch.testing.assert_close(density, ref, rtol=1e-6, atol=1e-12)
+    t = torch.arange(T)
+    weight = importance_weight(w.float(), density, t).double()
+    losses = torch.rand(T, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    torch.testing.assert_close((density * weight * losses).sum(), (w * losses).mean(), rtol=1e-6, atol=0)
+    if power == 0:
+        torch.testing.assert_close(weight, w, rtol=1e-6, atol=0)
+    if power == 1:
+        torch.testing.assert_close(weight, torch.full_like(weight, w.mean().item()), rtol=1e-6, atol=0)
+    with pytest.raises(Exception, match="must be in"):
+        importance_density(w.float(), 1.5)
+
+
+@pytest.mark.parametrize("power", [0.5, 1.0])
+def test_loss_on_with_timestep_importance_equals_the_reference(fixed_batch, power):
+    """train.timestep_importance: each sample's timestep is drawn from the reference density (w ** power,
+    w the floored v-loss min-SNR weight) by its own generator, and its MSE weighted w / (T p); in a
+    phase with its own floor the density and the weights follow that floor."""
+    noise_cfg = NoiseScheduleConfig(prediction_type="v_prediction")
+    abar = ref_alphas_cumprod("scaled_linear", 0.00085, 0.012, False)
+    probe = Probe()
+    trainer = make_trainer(probe, noise_cfg, min_snr_gamma=5.0, min_snr_floor=0.05, timestep_importance=power)
+    phases = [PhaseConfig(datasets=[StreamConfig(path="unused")], steps=1),
+              PhaseConfig(datasets=[StreamConfig(path="unused")], steps=1, min_snr_floor=0.3)]
+    trainer.cfg = replace(trainer.cfg, phases=phases)
+    for phase, floor in ((0, 0.05), (1, 0.3)):
+        trainer.phase = phase
+        loss = trainer.loss_on(fixed_batch)
+        w = ref_min_snr_weights(abar, 5.0, floor)
+        p = w ** power / (w ** power).sum()
+        t, noise, post = sample_noise(11, fixed_batch["_position"], SHAPE, T, 0.0, True,
+                                      lambda g: torch.multinomial(p, 1, generator=g))
+        assert torch.equal(probe.seen["t"], t)
+        expected, _ = ref_loss(fixed_batch["latent_mean"], fixed_batch["latent_std"], post, noise, t,
+                               fixed_batch["text_hidden"], probe_function, abar, "v_prediction", 0.0,
+                               sample_weights=w[t] / (T * p[t]))
+        torch.testing.assert_close(loss.double(), expected, rtol=2e-5, atol=1e-7)
+
+
+def test_timestep_importance_draws_follow_the_density():
+    """Over 6,000 positions the timesteps loss_on hands the model follow w / sum(w) (power 1): the
+    noisiest 300 timesteps, floored at 0.05, get about 5% of the draws instead of 30%."""
+    probe = Probe()
+    trainer = make_trainer(probe, NoiseScheduleConfig(prediction_type="v_prediction"), min_snr_gamma=5.0,
+                           min_snr_floor=0.05, timestep_importance=1.0)
+    n = 6000
+    batch = {"latent_mean": torch.zeros((n, 1, 2, 2)), "latent_std": torch.ones((n, 1, 2, 2)),
+             "text_hidden": torch.zeros((n, 2, 3)), "_position": list(range(n))}
+    trainer.loss_on(batch)
+    t = probe.seen["t"]
+    w = ref_min_snr_weights(ref_alphas_cumprod("scaled_linear", 0.00085, 0.012, False), 5.0, 0.05)
+    mass = torch.stack([w[i * 100:(i + 1) * 100].sum() for i in range(10)]) / w.sum()
+    counts = torch.bincount(t // 100, minlength=10).double()
+    expected = mass * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 30, (counts, expected)  # 9 degrees of freedom: P(chi2 > 30) ~ 4e-4
+    assert float(counts[7:].sum()) < 0.1 * n  # uniform draws would put 30% there
 
 
 def test_zero_terminal_snr_reference_ends_at_pure_noise():

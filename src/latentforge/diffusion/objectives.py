@@ -23,6 +23,8 @@ __all__ = [
     "offset_noise",
     "min_snr_weight",
     "sample_timesteps",
+    "importance_density",
+    "importance_weight",
     "per_sample_mse",
     "diffusion_loss",
 ]
@@ -104,6 +106,29 @@ def sample_timesteps(
     """t ~ Uniform{0, ..., T-1}, int64, one per sample (Ho et al. 2020, Algorithm 1)."""
     t = torch.randint(0, num_train_timesteps, (batch,), generator=generator, device=generator.device)
     return t.to(device) if device is not None else t
+
+
+def importance_density(weights: torch.Tensor, power: float) -> torch.Tensor:
+    """The density to draw training timesteps from: p(t) proportional to ``weights[t] ** power``.
+
+    ``weights``: the loss weight of every timestep (e.g. :func:`min_snr_weight` of all T of them).
+    Drawing t from p and weighting its loss by :func:`importance_weight` keeps the expected loss
+    (and gradient) of uniform timesteps weighted by ``weights``, with less variance when the
+    weights are uneven (importance sampling; SD3, Esser et al. 2024, sec. 3.1, read a weighting as
+    a density). power 0: uniform; 1: every drawn sample weighs the same (the mean weight)."""
+    if not 0 <= power <= 1:
+        raise ConfigError(f"timestep_importance: must be in [0, 1], got {power}; 0 = uniform timesteps")
+    if weights.ndim != 1 or not bool((weights >= 0).all()) or not bool(weights.sum() > 0):
+        raise ConfigError("importance_density: needs one weight >= 0 per timestep, not all 0")
+    p = weights.double() ** power
+    return p / p.sum()
+
+
+def importance_weight(weights: torch.Tensor, density: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The loss weight of timesteps ``t`` drawn from ``density``: weights[t] / (T density[t]), so that
+    E_{t ~ density}[weight * loss_t] = mean over all T timesteps of weights[t] * loss_t."""
+    num = weights.numel()
+    return (weights.double()[t] / (num * density[t])).float()
 
 
 def per_sample_mse(model_pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

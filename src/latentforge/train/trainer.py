@@ -48,7 +48,9 @@ from latentforge.diffusion.flow_matching import (
     resolution_shift,
     sample_flow_sigmas,
 )
-from latentforge.diffusion.objectives import add_noise, diffusion_loss, min_snr_weight, training_target
+from latentforge.diffusion.objectives import (
+    add_noise, diffusion_loss, importance_density, importance_weight, min_snr_weight, training_target,
+)
 from latentforge.diffusion.schedule import NoiseScheduleConfig, alphas_cumprod, snr
 from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import ParallelConfig
@@ -183,6 +185,10 @@ class TrainConfig:
     min_snr_floor: float = field(default=0.0, metadata={
         "help": "the least min-SNR loss weight of the noisy timesteps (SNR < min_snr_gamma): v-prediction "
                 "weighs the noisiest ones, which place the shapes, about 0; 0 = the paper's weighting"})
+    timestep_importance: float = field(default=0.0, metadata={
+        "help": "draw training timesteps with density proportional to min-SNR weight ** this, each loss divided "
+                "by its density (the same expected loss, less variance); 0 = uniform timesteps, 1 = every "
+                "sample weighs the same"})
     offset_noise: float = field(default=0.0, metadata={"help": "offset-noise strength; 0 = off (0.05-0.1 is usual)"})
     sample_posterior: bool = field(default=True, metadata={
         "help": "latents = mean + std * N(0, 1) of the VAE posterior (SD); false = the mean"})
@@ -249,6 +255,12 @@ class TrainConfig:
             if phase.min_snr_floor and not self.min_snr_gamma:
                 problems.add(f"phases[{i}].min_snr_floor: {phase.min_snr_floor} raises min-SNR weights, but "
                              "min_snr_gamma is 0 (off): set min_snr_gamma (e.g. 5) or remove the phase's floor")
+        if not 0 <= self.timestep_importance <= 1:
+            problems.add(f"timestep_importance: must be in [0, 1], got {self.timestep_importance}; 0 = uniform "
+                         "timesteps, 1 = drawn in proportion to their min-SNR weight")
+        elif self.timestep_importance and not self.min_snr_gamma and self.noise.prediction_type != FLOW_MATCHING:
+            problems.add(f"timestep_importance: {self.timestep_importance} draws timesteps by their min-SNR weight, "
+                         "but min_snr_gamma is 0 (off): set min_snr_gamma (e.g. 5) or timestep_importance: 0")
         if self.offset_noise < 0:
             problems.add(f"offset_noise: must be >= 0, got {self.offset_noise}; 0 = off, 0.05-0.1 is usual")
         if self.max_skipped_steps < 0:
@@ -261,6 +273,9 @@ class TrainConfig:
             if self.min_snr_gamma:
                 problems.add("min_snr_gamma: not used with flow_matching, whose loss weighting is the density sigma "
                              "is drawn from (noise.flow_time_sampling, SD3 sec. 3.1): set 0")
+            if self.timestep_importance:
+                problems.add("timestep_importance: not used with flow_matching, which draws sigma from its own "
+                             "density (noise.flow_time_sampling): set 0")
             if self.offset_noise:
                 problems.add("offset_noise: flow_matching already ends at pure noise (SNR 0 at sigma = 1), the "
                              "flaw offset noise works around, and sampling starts from N(0, I), not from the "
@@ -469,6 +484,7 @@ class Trainer:
         self.shift_factor = float(vae.get("shift_factor") or 0.0)
         self.flow = cfg.noise.prediction_type == FLOW_MATCHING
         self.alphas_cumprod = None if self.flow else alphas_cumprod(cfg.noise).to(self.device)
+        self._importance_cache: tuple[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] | None = None
         # A LoRA run checkpoints and averages only what it trains: the base is the init_from directory.
         self.trainable_only = cfg.lora is not None
         self.optimizer = build_optimizer(model.parameters(), cfg.optim, self.device.type)
@@ -599,9 +615,14 @@ class Trainer:
         """The diffusion loss of one micro batch (mean over its samples)."""
         cfg = self.cfg
         shape = tuple(batch["latent_mean"].shape[1:])
+        importance = self._importance() if cfg.timestep_importance and not self.flow else None
+        draw = self._flow_time(shape) if self.flow else None
+        if importance is not None:
+            draw = lambda g: torch.multinomial(importance[1], 1, generator=g)  # noqa: E731
         t, noise, post = sample_noise(cfg.seed, batch["_position"], shape, cfg.noise.num_train_timesteps,
-                                      cfg.offset_noise, cfg.sample_posterior and "latent_std" in batch,
-                                      self._flow_time(shape) if self.flow else None)
+                                      cfg.offset_noise, cfg.sample_posterior and "latent_std" in batch, draw)
+        if importance is not None:
+            drawn_weights = importance_weight(*importance, t)
         x0 = self.latents_from_batch(batch, post)
         x_t, target, t = self.noisy(x0, noise.to(self.device), t.to(self.device))
         hidden = batch["text_hidden"].to(self.device, non_blocking=True)
@@ -621,10 +642,24 @@ class Trainer:
             else:
                 pred = self.denoiser.forward(self.train_model, x_t, t, hidden, mask)
         weights = None
-        if cfg.min_snr_gamma:
+        if importance is not None:
+            weights = drawn_weights.to(self.device)
+        elif cfg.min_snr_gamma:
             weights = min_snr_weight(snr(self.alphas_cumprod, t), cfg.min_snr_gamma, cfg.noise.prediction_type,
                                      cfg.min_snr_floor_of(self.phase))
         return diffusion_loss(pred, target, weights)
+
+    def _importance(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the min-SNR weight of every timestep, the density training timesteps are drawn from) of
+        this phase (its floor), on the CPU where the noise generators are; see train.timestep_importance."""
+        key = (self.phase, self.cfg.min_snr_floor_of(self.phase))
+        if self._importance_cache is None or self._importance_cache[0] != key:
+            cfg = self.cfg
+            ac = self.alphas_cumprod.cpu()
+            weights = min_snr_weight(snr(ac, torch.arange(ac.numel())), cfg.min_snr_gamma,
+                                     cfg.noise.prediction_type, key[1])
+            self._importance_cache = (key, (weights, importance_density(weights, cfg.timestep_importance)))
+        return self._importance_cache[1]
 
     def noisy(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
