@@ -187,8 +187,8 @@ class TrainConfig:
                 "weighs the noisiest ones, which place the shapes, about 0; 0 = the paper's weighting"})
     timestep_importance: float = field(default=0.0, metadata={
         "help": "draw training timesteps with density proportional to min-SNR weight ** this, each loss divided "
-                "by its density (the same expected loss, less variance); 0 = uniform timesteps, 1 = every "
-                "sample weighs the same"})
+                "by its density (the same expected loss, weights less uneven); 0 = uniform timesteps, 1 = every "
+                "sample weighs the same. The demo lost position words with 0.5 and 1 (docs/demo.md, run 27)"})
     offset_noise: float = field(default=0.0, metadata={"help": "offset-noise strength; 0 = off (0.05-0.1 is usual)"})
     sample_posterior: bool = field(default=True, metadata={
         "help": "latents = mean + std * N(0, 1) of the VAE posterior (SD); false = the mean"})
