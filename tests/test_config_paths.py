@@ -105,6 +105,7 @@ CASES = [
     c("vae.lr", "0", "must be > 0"),
     c("vae.color_weight", "-1", "must be >= 0"),
     c("vae.decoder_noise", "-0.5", "must be >= 0"),
+    c("vae.latent_scale", "0", "must be > 0"),
     c("vae.l1_weight", "0", "at least one reconstruction term must be on", "vae.mse_weight=0"),
     c("vae.checkpoint_every_steps", "0", "must be >= 1"),
     c("vae.interrupt.grace_seconds", "-1", "must be >= 0"),

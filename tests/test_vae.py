@@ -247,6 +247,18 @@ def test_scaling_factor_is_one_over_the_std_of_the_encoded_latents(raw, trained)
     assert abs(std - 1.0) > 0.1, "latents of std ~1 could not tell a std from a variance"
 
 
+def test_latent_scale_scales_the_saved_scaling_factor(raw, trained, tmp_path):
+    """vae.latent_scale 0.7: the same VAE (same seed and steps), its scaling_factor 0.7 times the
+    unit-variance one, so the denoiser's latents have std 0.7."""
+    out, metrics = trained
+    cfg = vae_config(raw, seed=0, steps=SHORT_STEPS)
+    cfg.latent_scale = 0.7
+    scaled = train_vae(cfg, tmp_path / "vae", progress=False)
+    assert scaled["latent_std"] == pytest.approx(metrics["latent_std"], rel=1e-6)
+    assert scaled["scaling_factor"] == pytest.approx(0.7 * metrics["scaling_factor"], rel=1e-6)
+    assert load_vae(str(tmp_path / "vae")).config.scaling_factor == pytest.approx(0.7 / scaled["latent_std"], rel=1e-6)
+
+
 def test_heldout_psnr_is_a_direct_reconstruction_of_the_held_out_images(raw, trained):
     out, metrics = trained
     vae = load_vae(str(out)).eval()

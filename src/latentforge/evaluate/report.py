@@ -217,7 +217,7 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         f"{_mfu(tr.get('median_mfu'))}, "
         f"final loss {tr['final_loss']:.4f}",
         f"- VAE: {vae['steps']} steps in {vae['train_seconds']} s, held-out PSNR {vae['heldout_psnr']:.2f} dB, "
-        f"scaling factor {vae['scaling_factor']:.4f} (1 / latent std, stored in the VAE config)",
+        f"scaling factor {vae['scaling_factor']:.4f} ({vae.get('latent_scale', 1.0):g} / latent std, stored in the VAE config)",
         f"- ingest: {r['ingest']['written']} of {r['ingest']['seen']} images kept, {r['ingest']['img_per_s']} img/s",
         f"- export: diffusers {r['export'].get('pipeline', 'pipeline')} in `{Path(r['export']['dir']).name}/`; its "
         f"images differ from `latentforge sample` by at most {r['export']['max_abs_pixel_diff'] * 255:.1f}/255 per pixel",

@@ -79,6 +79,10 @@ class VAETrainConfig:
         "help": "noise-augmented decoding: the decoder also sees latents with Gaussian noise of std "
                 "decoder_noise x |N(0, 1)| x the batch's latent std added, one draw per image, so that it "
                 "turns the denoiser's imperfect latents into clean images too; 0 = off"})
+    latent_scale: float = field(default=1.0, metadata={
+        "help": "the std of the latents the denoiser sees: scaling_factor = latent_scale / the measured latent "
+                "std; 1 = unit variance (SD's convention); below 1 the diffusion noise drowns the latents sooner "
+                "(every timestep's SNR times latent_scale^2)"})
     scale_samples: int = field(default=512, metadata={"help": "training images used to measure the latent std"})
     seed: int = field(default=0, metadata={"help": "seed of the initialisation and the posterior samples"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
@@ -103,6 +107,8 @@ class VAETrainConfig:
         for name in ("kl_weight", "l1_weight", "mse_weight", "grad_weight", "color_weight", "decoder_noise"):
             if getattr(self, name) < 0:
                 problems.add(f"{name}: must be >= 0, got {getattr(self, name)}; 0 = the term is off")
+        if not self.latent_scale > 0:
+            problems.add(f"latent_scale: must be > 0, got {self.latent_scale}; 1 = latents of unit variance")
         if self.l1_weight == self.mse_weight == self.grad_weight == 0:
             problems.add("l1_weight: l1_weight, mse_weight and grad_weight are all 0: at least one reconstruction "
                          "term must be on (l1_weight: 1 is the default)")
@@ -348,13 +354,14 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
     scale_loader = build_loader(cfg.data, min(64, cfg.scale_samples), collate=decode_images)
     std = measure_latent_std(vae, iter(scale_loader), device, cfg.scale_samples, gen)
     scale_loader.close()
-    vae.register_to_config(scaling_factor=1.0 / std)
+    vae.register_to_config(scaling_factor=cfg.latent_scale / std)
     metrics = {
         "steps": step,
         "train_seconds": round(train_time, 2),
         "images_per_second": round(step * cfg.batch_size / train_time, 1),
         "latent_std": std,
-        "scaling_factor": 1.0 / std,
+        "latent_scale": cfg.latent_scale,
+        "scaling_factor": cfg.latent_scale / std,
         "final_train_loss": history[-1]["loss"] if history else None,
         "heldout_psnr": evaluate_psnr(vae, eval_images, device) if eval_images is not None else None,
         "num_heldout": 0 if eval_images is None else len(eval_images),
