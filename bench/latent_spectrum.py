@@ -32,14 +32,9 @@ def latents_of(run: Path, samples: int) -> tuple[torch.Tensor, float]:
     return torch.stack([r["latent_mean"] for r in rows]).double(), scale
 
 
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean over images of the PSNR of ``a`` against ``b`` (pixels in [-1, 1])."""
-    mse = ((a - b) ** 2).mean(dim=(1, 2, 3)).clamp_min(1e-12)
-    return float((10 * torch.log10(4.0 / mse)).mean())
-
-
 def spectrum(run: Path, samples: int, decode_samples: int = 200) -> dict:
     from latentforge.models.autoencoder import load_vae
+    from latentforge.train.vae import psnr
 
     z, scale = latents_of(run, samples)
     c = z.shape[1]
@@ -59,7 +54,7 @@ def spectrum(run: Path, samples: int, decode_samples: int = 200) -> dict:
             top = eigvecs[:, -k:]
             proj = top @ top.T @ (sub_flat - mean) + mean
             zk = proj.reshape(c, sub.shape[0], *sub.shape[2:]).transpose(0, 1)
-            kept[k] = psnr(vae.decode(zk.float()).sample.double(), full)
+            kept[k] = float(psnr(vae.decode(zk.float()).sample.double(), full).mean())
     return {"run": run.name, "samples": z.shape[0], "eigenvalues_scaled": [float(v) * scale ** 2 for v in eigvals],
             "variance_share": [float(v) / total for v in eigvals], "per_image_mean_share": image_share,
             "decode_psnr_top_k": kept}

@@ -74,17 +74,21 @@ def ref_loss(mean, std, post_noise, noise, t, hidden, model, abar, prediction_ty
     pred = model(x_t, t, hidden.double())
     per_sample = ((pred - target) ** 2).mean(dim=(1, 2, 3))
     if gamma:
-        s = abar[t] / (1 - abar[t])
-        if prediction_type == "epsilon":
-            w = torch.where(s > 0, torch.minimum(s, torch.tensor(gamma, dtype=s.dtype)) / s, torch.ones_like(s))
-        else:
-            w = torch.minimum(s, torch.tensor(gamma, dtype=s.dtype)) / (s + 1)
-        if floor:
-            w = torch.where(s < gamma, torch.clamp(w, min=floor), w)
-        per_sample = per_sample * w
+        per_sample = per_sample * ref_min_snr_weights(abar, gamma, floor, prediction_type)[t]
     if sample_weights is not None:
         per_sample = per_sample * sample_weights
     return per_sample.mean(), x_t
+
+
+def ref_min_snr_weights(abar: torch.Tensor, gamma: float, floor: float = 0.0,
+                        prediction_type: str = "v_prediction") -> torch.Tensor:
+    """The min-SNR weight of every timestep (Hang et al. 2023), the noisy side floored, float64."""
+    s = abar / (1 - abar)
+    if prediction_type == "epsilon":
+        w = torch.where(s > 0, torch.minimum(s, torch.tensor(gamma, dtype=s.dtype)) / s, torch.ones_like(s))
+    else:
+        w = torch.minimum(s, torch.tensor(gamma, dtype=s.dtype)) / (s + 1)
+    return torch.where(s < gamma, torch.clamp(w, min=floor), w) if floor else w
 
 
 def probe_function(x_t, t, hidden):
@@ -216,13 +220,6 @@ def test_a_phase_s_own_min_snr_floor_applies_in_that_phase_only(fixed_batch):
     assert not torch.isclose(plain, floored, rtol=1e-3)
     inherit = replace(trainer.cfg, min_snr_floor=0.3, phases=[phases[0], replace(phases[1], min_snr_floor=0.0)])
     assert [inherit.min_snr_floor_of(i) for i in (0, 1)] == [0.3, 0.0]
-
-
-def ref_min_snr_weights(abar: torch.Tensor, gamma: float, floor: float) -> torch.Tensor:
-    """The v-loss min-SNR weight of every timestep (Hang et al. 2023), the noisy side floored, float64."""
-    s = abar / (1 - abar)
-    w = torch.minimum(s, torch.tensor(gamma, dtype=s.dtype)) / (s + 1)
-    return torch.where(s < gamma, torch.clamp(w, min=floor), w)
 
 
 @pytest.mark.parametrize("power", [0.0, 0.5, 1.0])

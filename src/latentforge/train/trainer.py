@@ -484,7 +484,7 @@ class Trainer:
         self.shift_factor = float(vae.get("shift_factor") or 0.0)
         self.flow = cfg.noise.prediction_type == FLOW_MATCHING
         self.alphas_cumprod = None if self.flow else alphas_cumprod(cfg.noise).to(self.device)
-        self._importance_cache: tuple[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._importance_cache: tuple[float, tuple[torch.Tensor, torch.Tensor]] | None = None  # by min-SNR floor
         # A LoRA run checkpoints and averages only what it trains: the base is the init_from directory.
         self.trainable_only = cfg.lora is not None
         self.optimizer = build_optimizer(model.parameters(), cfg.optim, self.device.type)
@@ -621,8 +621,8 @@ class Trainer:
             draw = lambda g: torch.multinomial(importance[1], 1, generator=g)  # noqa: E731
         t, noise, post = sample_noise(cfg.seed, batch["_position"], shape, cfg.noise.num_train_timesteps,
                                       cfg.offset_noise, cfg.sample_posterior and "latent_std" in batch, draw)
-        if importance is not None:
-            drawn_weights = importance_weight(*importance, t)
+        # The weights of drawn timesteps follow from the density; the others' from their min-SNR weight, below.
+        weights = None if importance is None else importance_weight(*importance, t).to(self.device)
         x0 = self.latents_from_batch(batch, post)
         x_t, target, t = self.noisy(x0, noise.to(self.device), t.to(self.device))
         hidden = batch["text_hidden"].to(self.device, non_blocking=True)
@@ -641,10 +641,7 @@ class Trainer:
                 target = gather_tokens(patchify(target, p), keep)
             else:
                 pred = self.denoiser.forward(self.train_model, x_t, t, hidden, mask)
-        weights = None
-        if importance is not None:
-            weights = drawn_weights.to(self.device)
-        elif cfg.min_snr_gamma:
+        if weights is None and cfg.min_snr_gamma:
             weights = min_snr_weight(snr(self.alphas_cumprod, t), cfg.min_snr_gamma, cfg.noise.prediction_type,
                                      cfg.min_snr_floor_of(self.phase))
         return diffusion_loss(pred, target, weights)
@@ -652,13 +649,13 @@ class Trainer:
     def _importance(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the min-SNR weight of every timestep, the density training timesteps are drawn from) of
         this phase (its floor), on the CPU where the noise generators are; see train.timestep_importance."""
-        key = (self.phase, self.cfg.min_snr_floor_of(self.phase))
-        if self._importance_cache is None or self._importance_cache[0] != key:
-            cfg = self.cfg
+        cfg = self.cfg
+        floor = cfg.min_snr_floor_of(self.phase)
+        if self._importance_cache is None or self._importance_cache[0] != floor:
             ac = self.alphas_cumprod.cpu()
             weights = min_snr_weight(snr(ac, torch.arange(ac.numel())), cfg.min_snr_gamma,
-                                     cfg.noise.prediction_type, key[1])
-            self._importance_cache = (key, (weights, importance_density(weights, cfg.timestep_importance)))
+                                     cfg.noise.prediction_type, floor)
+            self._importance_cache = (floor, (weights, importance_density(weights, cfg.timestep_importance)))
         return self._importance_cache[1]
 
     def noisy(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
