@@ -17,6 +17,7 @@ from latentforge.data.synth import (
     POSITIONS,
     SHAPES,
     SIZES,
+    PARTIAL_TEMPLATES,
     TEMPLATES,
     SynthConfig,
     caption_for,
@@ -112,6 +113,34 @@ def test_caption_templates():
             assert "cyan star" in text and "large" in text and "{" not in text
 
 
+def test_partial_templates_leave_out_size_position_or_both():
+    attrs = ("triangle", "red", "small", "top left", "dark")
+    texts = [caption_for(*attrs, len(TEMPLATES) + k) for k in range(len(PARTIAL_TEMPLATES))]
+    assert texts[0] == "a red triangle in the top left" and texts[4] == "a red triangle on a dark background"
+    named = [("small" in t, "top left" in t) for t in texts]
+    assert named == [(False, True)] * 2 + [(True, False)] * 2 + [(False, False)] * 2
+    assert all("red triangle" in t and "{" not in t for t in texts)
+
+
+def test_partial_captions_change_only_training_captions(dataset, tmp_path):
+    out = tmp_path / "partial"
+    generate(out, SynthConfig(**SMALL, partial_captions=0.5), progress=False)
+    full, part = _files(dataset), _files(out)
+    assert full.keys() == part.keys()
+    # every image and every held-out caption is byte for byte that of partial_captions=0
+    assert all(full[k] == part[k] for k in full if k.endswith(".png") or k.startswith("heldout/"))
+    a, b = _labels(dataset), _labels(out)
+    drop = lambda x: {k: v for k, v in x.items() if k != "caption"}
+    assert [drop(x) for x in a] == [drop(x) for x in b]
+    changed = [(x, y) for x, y in zip(a, b) if x["caption"] != y["caption"]]
+    assert all(x["split"] == "train" for x, _ in changed)
+    assert 10 <= len(changed) <= 30  # about half of the 40 training captions
+    for x, y in changed:
+        assert y["caption"] in {caption_for(x["shape"], x["color"], x["size"], x["position"], x["background"],
+                                            len(TEMPLATES) + k) for k in range(len(PARTIAL_TEMPLATES))}
+        assert (out / y["file"]).with_suffix(".txt").read_text() == y["caption"]
+
+
 def test_prompts_for_combos_deterministic_and_on_topic():
     a = prompts_for_combos(HELDOUT_COMBOS, 3, num_per_combo=2)
     assert a == prompts_for_combos(HELDOUT_COMBOS, np.random.default_rng(3), num_per_combo=2)
@@ -177,6 +206,8 @@ def test_render_shapes_differ_and_positions_move_the_shape():
         ({"heldout": [f"{c} star" for c in COLORS]}, "heldout"),  # star never trained
         ({"colors": ["red", "blue"]}, "heldout"),  # default combos name colours not listed
         ({"heldout": [], "num_heldout": 5}, "num_heldout"),
+        ({"partial_captions": 1.5}, "partial_captions"),
+        ({"partial_captions": -0.1}, "partial_captions"),
     ],
 )
 def test_config_validation_names_the_field(data, field):

@@ -65,6 +65,7 @@ __all__ = [
     "POSITIONS",
     "BACKGROUNDS",
     "TEMPLATES",
+    "PARTIAL_TEMPLATES",
     "HELDOUT_COMBOS",
     "SynthConfig",
     "parse_combo",
@@ -123,6 +124,19 @@ TEMPLATES: tuple[str, ...] = (
     "a {size} {color} {shape} on a {bg} background, {where}",
     "a picture of a {size} {color} {shape} {where_long}",
     "{where}, a {size} {color} {shape}",
+)
+
+# Captions that leave out the size, the position, or both (two templates each), for the share
+# ``SynthConfig.partial_captions`` of the training captions: real captions name only some of what
+# an image shows. Template ``len(TEMPLATES) + k`` of :func:`caption_for` is ``PARTIAL_TEMPLATES[k]``.
+# None of them is a wording the evaluation prompts with (evaluate/alignment.py checks every one).
+PARTIAL_TEMPLATES: tuple[str, ...] = (
+    "a {color} {shape} {where}",
+    "{where}, a {color} {shape}",
+    "a {size} {color} {shape} on a {bg} background",
+    "{color} {shape}, {size}",
+    "a {color} {shape} on a {bg} background",
+    "{bg} background, {color} {shape}",
 )
 
 HELDOUT_COMBOS: tuple[tuple[str, str], ...] = (
@@ -229,6 +243,14 @@ class SynthConfig:
         default_factory=lambda: list(POSITIONS),
         metadata={"help": f"grid positions to use, from: {', '.join(POSITIONS)}"},
     )
+    partial_captions: float = field(
+        default=0.0,
+        metadata={
+            "help": "share of the training captions that leave out the size, the position or both "
+            "(PARTIAL_TEMPLATES, one of six at random); the labels keep every attribute and the "
+            "held-out split keeps full captions. 0: every caption names everything"
+        },
+    )
     heldout: list[str] = field(
         default_factory=lambda: [f"{c} {s}" for c, s in HELDOUT_COMBOS],
         metadata={
@@ -244,6 +266,8 @@ class SynthConfig:
             raise ConfigError(f"num_heldout: must be 0 or more, got {self.num_heldout}")
         if self.seed < 0:
             raise ConfigError(f"seed: must be 0 or more, got {self.seed}")
+        if not 0.0 <= self.partial_captions <= 1.0:
+            raise ConfigError(f"partial_captions: must be a share in [0, 1], got {self.partial_captions}")
         if self.image_size < 16:
             raise ConfigError(
                 f"image_size: must be at least 16 px (shapes are unreadable below), got {self.image_size}"
@@ -337,9 +361,9 @@ def render(
 
 
 def caption_for(shape: str, color: str, size: str, position: str, background: str, template: int) -> str:
-    """The caption of ``TEMPLATES[template]`` for these attributes."""
+    """The caption of template ``template`` of ``TEMPLATES + PARTIAL_TEMPLATES`` for these attributes."""
     where, where_long = _WHERE[position]
-    return TEMPLATES[template].format(
+    return (TEMPLATES + PARTIAL_TEMPLATES)[template].format(
         size=size, color=color, shape=shape, bg=background, where=where, where_long=where_long, pos=position
     )
 
@@ -380,6 +404,13 @@ def _plan(cfg: SynthConfig, split: str) -> list[dict]:
     positions = rng.integers(len(cfg.positions), size=num)
     tones = rng.integers(len(BACKGROUNDS), size=num)
     templates = rng.integers(len(TEMPLATES), size=num)
+    if split == "train" and cfg.partial_captions > 0:
+        # A stream of its own, so that the images, their attributes and the other captions are
+        # those of partial_captions=0.
+        sub = np.random.default_rng(np.random.SeedSequence([cfg.seed, split_id], spawn_key=(1,)))
+        partial = sub.random(num) < cfg.partial_captions
+        kinds = sub.integers(len(PARTIAL_TEMPLATES), size=num)
+        templates = np.where(partial, len(TEMPLATES) + kinds, templates)
     tone_names = list(BACKGROUNDS)
     plan = []
     for i in range(num):
