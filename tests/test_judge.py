@@ -216,6 +216,16 @@ def test_a_saved_judge_loads_with_the_same_outputs_and_only_for_its_settings(tmp
     assert load_judge(tmp_path / "judge", replace(cfg, floor=0.7), data) is None
     assert load_judge(tmp_path / "judge", cfg, {"synth": {"seed": 4}}) is None
     assert load_judge(tmp_path / "nothing", cfg, data) is None
+    # a setting the saved record lacks (a field added since) counts as its default, and only then
+    newer, defaults = {"synth": {"seed": 3, "added": 0.0}}, {"synth": {"seed": 0, "added": 0.0}}
+    assert load_judge(tmp_path / "judge", cfg, newer, defaults) is not None
+    assert load_judge(tmp_path / "judge", cfg, {"synth": {"seed": 3, "added": 0.5}}, defaults) is None
+    assert load_judge(tmp_path / "judge", cfg, newer) is None  # no defaults given: another record
+    meta = json.loads((tmp_path / "judge" / "judge.json").read_text())
+    del meta["config"]["floor"]
+    (tmp_path / "judge" / "judge.json").write_text(json.dumps(meta))
+    assert load_judge(tmp_path / "judge", replace(cfg, floor=JudgeConfig().floor), data) is not None
+    assert load_judge(tmp_path / "judge", replace(cfg, floor=0.7), data) is None
     # weights that are not safetensors: refused with the file's name, never unpickled
     torch.save(judge.state_dict(), tmp_path / "judge" / "judge.safetensors")
     with pytest.raises(UserError, match="judge.safetensors: not a readable safetensors file"):

@@ -223,8 +223,9 @@ def _judge(recipe: Any, out: Path, vae_dir: Path, judge_dir: Path | None = None)
 
     size = recipe.ingest.image.resolution
     trained_on = {"synth": asdict(recipe.synth), "size": size, "vae": asdict(recipe.vae)}  # the VAE: its validation
+    defaults = {"synth": asdict(type(recipe.synth)()), "vae": asdict(type(recipe.vae)())}
     judge_dir = judge_dir or out / "judge"
-    saved = load_judge(judge_dir, recipe.demo.judge, trained_on)
+    saved = load_judge(judge_dir, recipe.demo.judge, trained_on, defaults)
     if saved is not None:
         return saved
     t0 = time.perf_counter()

@@ -25,7 +25,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -482,11 +482,25 @@ def save_judge(model: Judge | JudgeEnsemble, cfg: JudgeConfig, report: dict, out
     return out
 
 
-def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None,
-               trained_on: dict | None = None) -> tuple[Judge | JudgeEnsemble, dict] | None:
+def _as_json(x: Any) -> Any:
+    """``x`` as it reads back from the JSON that :func:`save_judge` writes."""
+    return json.loads(json.dumps(x, default=str))
+
+
+def _with_defaults(saved: Any, defaults: Any) -> Any:
+    """``saved`` with every key it lacks (at any depth) taken from ``defaults``."""
+    if not isinstance(saved, dict) or not isinstance(defaults, dict):
+        return saved
+    return {**defaults, **{k: _with_defaults(v, defaults.get(k)) for k, v in saved.items()}}
+
+
+def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: dict | None = None,
+               defaults: dict | None = None) -> tuple[Judge | JudgeEnsemble, dict] | None:
     """The judge that :func:`save_judge` wrote and its report; ``None`` when ``out_dir`` holds none,
     or one of another config than ``cfg`` or trained on other data than ``trained_on`` (the caller
-    trains a new one). Reads safetensors and JSON only."""
+    trains a new one). A setting that the saved record lacks (a field added to a config since)
+    counts as its value in ``defaults`` (``trained_on`` of default configs) or :class:`JudgeConfig`'s
+    default, so a new field at its default keeps a saved judge. Reads safetensors and JSON only."""
     from latentforge.checkpoint import load_safetensors
 
     d = Path(out_dir)
@@ -496,9 +510,10 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None,
         meta = json.loads((d / JUDGE_META).read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{d / JUDGE_META}: not valid JSON ({e.msg}); delete {d} to train the judge again") from None
-    if cfg is not None and meta.get("config") != json.loads(json.dumps(asdict(cfg), default=str)):
+    if cfg is not None and _with_defaults(meta.get("config"), _as_json(asdict(JudgeConfig()))) != _as_json(asdict(cfg)):
         return None
-    if trained_on is not None and meta.get("trained_on") != json.loads(json.dumps(trained_on, default=str)):
+    if trained_on is not None and (_with_defaults(meta.get("trained_on"), _as_json(defaults or {}))
+                                   != _as_json(trained_on)):
         return None
     tensors = load_safetensors(d / JUDGE_WEIGHTS)
     c = meta["classes"]
