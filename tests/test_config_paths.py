@@ -63,6 +63,7 @@ CASES = [
     c("synth.num_heldout", "-1", "must be 0 or more"),
     c("synth.seed", "-1", "must be 0 or more"),
     c("synth.image_size", "8", "at least 16 px"),
+    c("synth.partial_captions", "1.5", "must be a share in [0, 1]"),
     c("synth.shapes", "[]", "empty; list at least one of"),
     c("synth.sizes", "[huge]", "unknown 'huge'"),
     c("synth.positions", "[top, top]", "'top' is listed twice"),
