@@ -18,7 +18,9 @@ Shapes are drawn at 4x resolution and box-downsampled (exact area coverage), the
 the background, so the inside of a shape has exactly its nominal colour. Small jitter of position
 (+-1.5% of the side), size (+-8%) and rotation (+-10 degrees) keeps images varied. Captions come
 from several templates (:data:`TEMPLATES`), e.g. "a small red triangle in the top left",
-"top left: red triangle, small", "a red triangle, small, in the top left corner".
+"top left: red triangle, small", "a red triangle, small, in the top left corner"; with
+``partial_captions`` that share of the training captions come from :data:`PARTIAL_TEMPLATES`,
+which leave out the size, the position or both ("a red triangle on a dark background").
 
 Held out for testing generalisation (:data:`HELDOUT_COMBOS`, the default of
 ``SynthConfig.heldout``): red star, yellow circle, green triangle, cyan diamond, blue square,
