@@ -14,10 +14,10 @@ from latentforge.data import synth
 from latentforge.data.synth import (
     COLORS,
     HELDOUT_COMBOS,
+    PARTIAL_TEMPLATES,
     POSITIONS,
     SHAPES,
     SIZES,
-    PARTIAL_TEMPLATES,
     TEMPLATES,
     SynthConfig,
     caption_for,
