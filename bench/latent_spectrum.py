@@ -40,9 +40,10 @@ def spectrum(run: Path, samples: int, decode_samples: int = 200) -> dict:
     c = z.shape[1]
     flat = z.transpose(0, 1).reshape(c, -1)
     mean = flat.mean(dim=1, keepdim=True)
-    eigvals, eigvecs = torch.linalg.eigh(torch.cov(flat))  # ascending
+    cov = torch.cov(flat)
+    eigvals, eigvecs = torch.linalg.eigh(cov)  # ascending
     per_image = z.mean(dim=(2, 3))  # the background tone of each image, per channel
-    total = float(torch.trace(torch.cov(flat)))
+    total = float(torch.trace(cov))
     image_share = float(torch.trace(torch.cov(per_image.T))) / total
     vae = load_vae(str(run / "vae"))
     sub = z[:decode_samples]

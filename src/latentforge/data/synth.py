@@ -140,6 +140,7 @@ PARTIAL_TEMPLATES: tuple[str, ...] = (
     "a {color} {shape} on a {bg} background",
     "{bg} background, {color} {shape}",
 )
+_ALL_TEMPLATES = TEMPLATES + PARTIAL_TEMPLATES  # the index space of caption_for's ``template``
 
 HELDOUT_COMBOS: tuple[tuple[str, str], ...] = (
     ("red", "star"),
@@ -365,7 +366,7 @@ def render(
 def caption_for(shape: str, color: str, size: str, position: str, background: str, template: int) -> str:
     """The caption of template ``template`` of ``TEMPLATES + PARTIAL_TEMPLATES`` for these attributes."""
     where, where_long = _WHERE[position]
-    return (TEMPLATES + PARTIAL_TEMPLATES)[template].format(
+    return _ALL_TEMPLATES[template].format(
         size=size, color=color, shape=shape, bg=background, where=where, where_long=where_long, pos=position
     )
 
