@@ -1,4 +1,4 @@
-"""EMA (fused update, reference values, swapping) and AdamW / LR schedule / gradient clipping."""
+"""EMA (fused update, reference values, swapping) and AdamW / Muon / LR schedule / gradient clipping."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ from latentforge.config import from_dict
 from latentforge.errors import ConfigError, UserError
 from latentforge.train.ema import EMA, EMAConfig
 from latentforge.train.optim import (
+    MuonAdamW,
     OptimConfig,
     build_lr_scheduler,
     build_optimizer,
     clip_grad_norm,
+    hidden_matrices,
     lr_multiplier,
+    orthogonalize,
 )
 
 
@@ -175,6 +178,9 @@ def test_optim_config_from_recipe_data():
         ({"betas": [0.9, 1.0]}, "betas: beta2"),
         ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
         ({"schedule": "step"}, "schedule: must be one of"),
+        ({"muon_momentum": 1.0}, "muon_momentum: must be in"),
+        ({"muon_ns_steps": 0}, "muon_ns_steps: must be >= 1"),
+        ({"name": "lion"}, "name: must be one of"),
     ]:
         with pytest.raises(ConfigError, match=message):
             from_dict(OptimConfig, data)
@@ -244,3 +250,144 @@ def test_clip_grad_norm():
     torch.testing.assert_close(clipped, torch.tensor(max_norm), rtol=1e-4, atol=0)
 
     assert float(clip_grad_norm(torch.nn.Linear(2, 2).parameters(), 1.0)) == 0.0  # no grads yet
+
+
+# --------------------------------------------------------------------------------------- muon
+
+
+@pytest.mark.parametrize("shape", [(12, 40), (40, 12)])
+def test_orthogonalize_brings_every_singular_value_near_one_with_the_same_singular_vectors(shape):
+    g = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(shape[0], shape[0], generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(shape[1], shape[1], generator=g, dtype=torch.float64))
+    k = min(shape)
+    s = torch.logspace(0, -2, k, dtype=torch.float64)  # condition number 100
+    m = (u[:, :k] * s) @ v[:, :k].T
+    before = m.clone()
+    o = orthogonalize(m.float(), steps=5)
+    assert torch.equal(m, before)  # pure
+    sv = torch.linalg.svdvals(o.double())
+    assert sv.min() > 0.6 and sv.max() < 1.25, sv  # the quintic's band, from singular values 1 ... 0.01
+    target = u[:, :k] @ v[:, :k].T  # U V^T
+    cosine = (o.double() * target).sum() / (o.double().norm() * target.norm())
+    assert cosine > 0.97
+    # A stack of matrices goes through as each one alone.
+    stack = torch.stack([m.float(), 3 * m.float().flip(0)])
+    torch.testing.assert_close(orthogonalize(stack), torch.stack([o, orthogonalize(3 * m.float().flip(0))]),
+                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="a matrix or a stack"):
+        orthogonalize(torch.ones(3))
+    # In bfloat16 (the optimizer's default): the same directions, the same band.
+    low = orthogonalize(m.float(), dtype=torch.bfloat16)
+    assert low.dtype == torch.bfloat16
+    assert (low.double() * o.double()).sum() / (low.double().norm() * o.double().norm()) > 0.99
+    sv = torch.linalg.svdvals(low.double())
+    assert sv.min() > 0.55 and sv.max() < 1.3, sv
+
+
+def _muon_reference(p0, grads, lr, wd, momentum, steps):
+    """Muon by its definition, one tensor: Nesterov momentum, the (out, rest) matrix orthogonalised,
+    scaled by 0.2 sqrt(max dim), decoupled weight decay first."""
+    p, buf = p0.clone(), torch.zeros_like(p0)
+    for grad in grads:
+        p = p * (1 - lr * wd)
+        buf = momentum * buf + (1 - momentum) * grad
+        update = ((1 - momentum) * grad + momentum * buf).reshape(p.shape[0], -1)
+        p = p - lr * 0.2 * max(update.shape) ** 0.5 * orthogonalize(update, steps).reshape(p.shape)
+    return p
+
+
+def test_muon_adamw_steps_match_muon_and_torch_adamw_by_their_definitions():
+    """Three steps of the conv kernel on Muon, the rest on AdamW: the kernel matches the definition
+    above, the AdamW groups torch's own AdamW (bias correction, decoupled decay) to fp32 precision."""
+    model = _model()
+    ref = _model()
+    opt = build_optimizer(model.parameters(), OptimConfig(name="muon", lr=1e-2, weight_decay=0.1,
+                                                          betas=(0.9, 0.95), muon_momentum=0.9,
+                                                          muon_ns_dtype="float32"),
+                          "cpu", hidden=[model[0].weight])
+    assert [g["muon"] for g in opt.param_groups] == [True, False, False]
+    assert opt.param_groups[0]["params"] == [model[0].weight]
+    torch_adamw = torch.optim.AdamW([{"params": [ref[3].weight], "weight_decay": 0.1},
+                                     {"params": [ref[1].weight, ref[1].bias, ref[0].bias, ref[3].bias],
+                                      "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    kernel0 = model[0].weight.detach().clone()
+    g = torch.Generator().manual_seed(1)
+    grads = []
+    for _ in range(3):
+        step_grads = {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+        grads.append(step_grads["0.weight"])
+        for m in (model, ref):
+            for n, p in m.named_parameters():
+                p.grad = step_grads[n].clone()
+        opt.step()
+        torch_adamw.step()
+    expected = _muon_reference(kernel0, grads, lr=1e-2, wd=0.1, momentum=0.9, steps=5)
+    torch.testing.assert_close(model[0].weight.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(model[0].weight, ref[0].weight)  # the kernel did not take AdamW's path
+    for name in ("3.weight", "1.weight", "1.bias", "0.bias", "3.bias"):
+        torch.testing.assert_close(dict(model.named_parameters())[name], dict(ref.named_parameters())[name],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_muon_adamw_state_round_trips_a_weights_only_checkpoint(tmp_path):
+    """Two steps, the state saved and loaded (weights_only) into a new optimizer, two more: the
+    same weights as four steps in one go."""
+    cfg = OptimConfig(name="muon", lr=1e-2, weight_decay=0.01)
+
+    def grads(step):
+        g = torch.Generator().manual_seed(step)
+        return [torch.randn(p.shape, generator=g) for p in _model().parameters()]
+
+    def steps(model, opt, start, stop):
+        for s in range(start, stop):
+            for p, gr in zip(model.parameters(), grads(s)):
+                p.grad = gr
+            opt.step()
+
+    straight = _model()
+    opt = build_optimizer(straight.parameters(), cfg, "cpu", hidden=[straight[0].weight])
+    steps(straight, opt, 0, 4)
+    first = _model()
+    opt = build_optimizer(first.parameters(), cfg, "cpu", hidden=[first[0].weight])
+    steps(first, opt, 0, 2)
+    torch.save({"model": first.state_dict(), "optim": opt.state_dict()}, tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    second = _model()
+    second.load_state_dict(saved["model"])
+    opt = build_optimizer(second.parameters(), cfg, "cpu", hidden=[second[0].weight])
+    opt.load_state_dict(saved["optim"])
+    steps(second, opt, 2, 4)
+    for a, b in zip(straight.parameters(), second.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backbone", ["unet", "dit"])
+def test_muon_takes_the_hidden_matrices_of_a_backbone_and_refuses_what_it_cannot_do(backbone):
+    from latentforge.models.denoiser import denoiser_of
+    from latentforge.models.dit import DiTConfig, build_dit
+    from latentforge.models.unet import UNetConfig, build_unet
+
+    if backbone == "unet":
+        model = build_unet(UNetConfig(preset="tiny", cross_attention_dim=16, sample_size=8))
+        edges, inner = {"conv_in.weight", "conv_out.weight"}, "time_embedding.linear_1.weight"
+    else:
+        model = build_dit(DiTConfig(preset="tiny", caption_channels=16, sample_size=8))
+        edges, inner = {"pos_embed.proj.weight", "proj_out.weight"}, "caption_projection.linear_1.weight"
+    hidden = hidden_matrices(torch.nn.ModuleDict({"module": model}), denoiser_of(model).edge_layers)  # a wrapper
+    names = {id(p): n for n, p in model.named_parameters()}
+    hidden_names = {names[id(p)] for p in hidden}
+    assert not edges & hidden_names and inner in hidden_names
+    assert any(n.endswith("attn2.to_k.weight") for n in hidden_names)
+    assert all(p.ndim >= 2 for p in hidden) and len(hidden) == len(set(map(id, hidden)))
+    opt = build_optimizer(model.parameters(), OptimConfig(name="muon"), "cpu", hidden=hidden)
+    adam_names = {names[id(p)] for g in opt.param_groups[1:] for p in g["params"]}
+    assert edges <= adam_names and not adam_names & hidden_names
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    with pytest.raises(ConfigError, match="no hidden matrices"):
+        build_optimizer(model.parameters(), OptimConfig(name="muon"), "cpu", hidden=[])
+    bias = next(p for p in model.parameters() if p.ndim == 1)
+    with pytest.raises(ValueError, match="ndim >= 2"):
+        MuonAdamW([{"params": [bias], "muon": True}], lr=1e-3)
+    # An AdamW run ignores `hidden`.
+    assert len(build_optimizer(model.parameters(), OptimConfig(), "cpu", hidden=hidden).param_groups) == 2

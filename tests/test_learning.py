@@ -80,9 +80,10 @@ def held_out_loss(data: dict[str, Path], weights: dict[str, torch.Tensor], laten
     return sum(losses) / len(losses)
 
 
-def train_and_measure(data: dict[str, Path], run_dir: Path, seed: int, steps: int = STEPS) -> tuple[float, float]:
+def train_and_measure(data: dict[str, Path], run_dir: Path, seed: int, steps: int = STEPS,
+                      **train_overrides) -> tuple[float, float]:
     """(held-out loss of the initial weights, of the trained weights) of a ``steps``-step run."""
-    train(run_config(data, seed, steps), run_dir, progress=False)
+    train(run_config(data, seed, steps, **train_overrides), run_dir, progress=False)
     meta = json.loads((run_dir / "data_meta.json").read_text())
     torch.manual_seed(seed)  # train() initialises the U-Net right after seeding with train.seed
     initial = build_unet(UNET).state_dict()
@@ -96,6 +97,15 @@ def test_training_lowers_the_held_out_loss_below_the_bound(latent_data, tmp_path
     initial, trained = train_and_measure(latent_data, tmp_path / "run", seed=0)
     assert initial > 0.9  # an untrained model predicts nothing: about the noise's variance
     assert trained < BOUND, f"held-out loss {trained:.4f} after {STEPS} steps (initial {initial:.4f})"
+
+
+def test_muon_lowers_the_held_out_loss_below_the_bound(latent_data, tmp_path):
+    """The same run with Muon on the hidden matrices (AdamW's lr, its update scaled to AdamW's
+    RMS). Measured here, seeds 0-2: 0.304, 0.307, 0.313 after (AdamW: 0.304, 0.300, 0.306)."""
+    optim = {"name": "muon", "lr": 2e-3, "warmup_steps": 10, "schedule": "constant"}
+    initial, trained = train_and_measure(latent_data, tmp_path / "run", seed=0, optim=optim)
+    assert initial > 0.9
+    assert trained < BOUND, f"held-out loss {trained:.4f} after {STEPS} steps of Muon (initial {initial:.4f})"
 
 
 @pytest.mark.slow

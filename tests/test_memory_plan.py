@@ -36,6 +36,9 @@ def test_breakdown_sums_and_bytes_per_parameter():
     pure = estimate_memory(MemoryConfig(unet=SMALL, latent_size=16, precision="bf16-weights", optimizer="adamw8bit",
                                         ema="cpu"))
     assert (pure["weights"], pure["gradients"], pure["optimizer"], pure["ema"]) == (2 * n, 2 * n, 6 * n, 0)
+    muon = estimate_memory(MemoryConfig(unet=SMALL, latent_size=16, precision="fp32", micro_batch_size=2,
+                                        optimizer="muon"))
+    assert muon["optimizer"] == fp32["optimizer"] == 8 * n  # counted as AdamW's: an upper bound
     ckpt = estimate_memory(MemoryConfig(unet=SMALL, latent_size=16, precision="fp32", activation_checkpointing=True))
     assert 0 < ckpt["activations_per_sample"] < 0.6 * fp32["activations_per_sample"]
     # activations grow with the latent area (most of them are full-resolution feature maps)

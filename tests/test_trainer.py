@@ -209,6 +209,23 @@ def test_resume_in_a_fresh_trainer_is_exact(straight, latent_data, tmp_path, mon
     assert_same_run(straight, run_dir)
 
 
+def test_a_muon_run_resumes_exactly(latent_data, tmp_path, monkeypatch):
+    """Muon's momentum buffers and AdamW's moments go through the checkpoint: a crash two steps
+    after it, then a fresh Trainer, logs and ends as the uninterrupted Muon run, bit for bit."""
+    muon = "train.optim.name=muon"
+    run(run_config(latent_data, muon), tmp_path / "straight")
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as m:
+        kill_before_step(m, STEPS // 2 + 3)
+        with pytest.raises(Killed):
+            run(run_config(latent_data, muon), run_dir)
+    run(run_config(latent_data, muon), run_dir)
+    assert_same_run(tmp_path / "straight", run_dir)
+    optim_state = ckpt.load_checkpoint(ckpt.find_latest(run_dir)).state["optimizer"]
+    assert [g["muon"] for g in optim_state["param_groups"]] == [True, False, False]
+    assert any("momentum_buffer" in s for s in optim_state["state"].values())
+
+
 def test_two_phases_switch_by_themselves_and_resume_exactly_mid_phase(latent_data, tmp_path, monkeypatch):
     """Phase 1: 4 steps at 8x8 latents; phase 2: 22 samples (= 6 steps of 4) of 16x16 latents with
     another batch size and peak lr. A crash in phase 2 resumes from its mid-phase checkpoint."""

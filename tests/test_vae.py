@@ -285,6 +285,31 @@ def test_a_broken_vae_fails_the_bound(raw, tmp_path, monkeypatch):
     assert metrics["heldout_psnr"] < BOUND_DB
 
 
+def test_train_vae_with_muon_keeps_the_image_facing_convolutions_on_adamw(raw, tmp_path, monkeypatch):
+    """optimizer=muon: one MuonAdamW whose Muon group holds the hidden kernels and matrices and not
+    the encoder's first or the decoder's last convolution (3 image channels in, 3 out)."""
+    built = []
+
+    class Spy(vae_module.MuonAdamW):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(vae_module, "MuonAdamW", Spy)
+    cfg = vae_config(raw, seed=0, steps=SHORT_STEPS)
+    cfg.optimizer = "muon"
+    metrics = train_vae(cfg, tmp_path / "vae", progress=False)
+    assert math.isfinite(metrics["heldout_psnr"])
+    (opt,) = built
+    muon, adamw = opt.param_groups
+    assert muon["muon"] and not adamw["muon"]
+    muon_shapes = [tuple(p.shape) for p in muon["params"]]
+    adamw_shapes = [tuple(p.shape) for p in adamw["params"]]
+    assert (8, 3, 3, 3) in adamw_shapes and (3, 8, 3, 3) in adamw_shapes  # encoder.conv_in, decoder.conv_out
+    assert all(s[1] != 3 and s[0] != 3 for s in muon_shapes) and len(muon_shapes) > 10
+    assert all(len(s) >= 2 for s in muon_shapes)
+
+
 def test_mid_block_attention_switch_reaches_the_saved_vae(tmp_path):
     """Off: no self-attention in either middle block, and the saved config says so, so that a
     reload (diffusers, as the exported pipeline does) builds the same network."""

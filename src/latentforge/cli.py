@@ -599,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--memory: recompute each U-Net block in the backward pass")
     sp.add_argument("--cpu-offload", dest="cpu_offload", action=argparse.BooleanOptionalAction,
                     help="--memory: FSDP2 CPU offload (weights, gradients, optimizer state in host memory)")
-    sp.add_argument("--optimizer", choices=["adamw", "adamw8bit"], help="--memory")
+    sp.add_argument("--optimizer", choices=["adamw", "adamw8bit", "muon"], help="--memory")
     sp.add_argument("--ema", choices=["same", "cpu", "off"], help="--memory: where the EMA lives")
     sp.add_argument("--gpu-memory", dest="gpu_memory", type=float, help="--memory: device memory in GB (default: --gpu's)")
 

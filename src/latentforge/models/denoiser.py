@@ -58,6 +58,8 @@ class Denoiser:
     single_step_returns_x0: ClassVar[bool] = False
     # Whether the model works on patch tokens that training can mask (forward_tokens, num_tokens).
     masks_patches: ClassVar[bool] = False
+    # The modules that read the latents in and write the prediction out (an optimizer treats them apart).
+    edge_layers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -193,6 +195,7 @@ class UNetDenoiser(Denoiser):
     uses_text_mask = False  # StableDiffusionPipeline does not pass it; the U-Net trains without it
     config_field = "unet"
     text_field = "cross_attention_dim"
+    edge_layers = ("conv_in", "conv_out")
 
     def _typed_config(self) -> dict[str, Any]:
         return unet_diffusers_config(self.cfg)
@@ -241,6 +244,7 @@ class DiTDenoiser(Denoiser):
     text_field = "caption_channels"
     single_step_returns_x0 = True  # PixArtAlphaPipeline.__call__ with num_inference_steps == 1
     masks_patches = True
+    edge_layers = ("pos_embed.proj", "proj_out")  # the patch embedding and the un-patching projection
 
     def _typed_config(self) -> dict[str, Any]:
         return dit_diffusers_config(self.cfg)

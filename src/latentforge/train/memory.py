@@ -96,7 +96,9 @@ class MemoryConfig:
         "help": "ddp (replicated), fsdp-grad-op (grads + optimizer sharded), fsdp-full (weights too)"})
     world_size: int = field(default=1, metadata={"help": "ranks the model is replicated or sharded over"})
     activation_checkpointing: bool = field(default=False, metadata={"help": "recompute each U-Net block"})
-    optimizer: Literal["adamw", "adamw8bit"] = field(default="adamw", metadata={"help": "AdamW or 8-bit AdamW"})
+    optimizer: Literal["adamw", "adamw8bit", "muon"] = field(default="adamw", metadata={
+        "help": "AdamW, 8-bit AdamW or Muon (counted at AdamW's 8 bytes a parameter: an upper bound, its "
+                "matrices keep one 4-byte buffer)"})
     ema: Literal["same", "cpu", "off"] = field(default="same", metadata={"help": "where the EMA lives"})
     cpu_offload: bool = field(default=False, metadata={
         "help": "FSDP2 CPU offload: weights, gradients, optimizer state and EMA in host memory"})
@@ -115,8 +117,8 @@ class MemoryConfig:
         if self.cpu_offload and self.parallel == "ddp":
             problems.add("cpu_offload: is FSDP2's CPU offload: use parallel fsdp-full (one block gathered at a "
                          "time) or fsdp-grad-op, or turn the offload off (--no-cpu-offload)")
-        if self.optimizer == "adamw8bit" and self.parallel != "ddp":
-            problems.add(f"optimizer: adamw8bit does not run on FSDP2's sharded parameters ({self.parallel}); "
+        if self.optimizer in ("adamw8bit", "muon") and self.parallel != "ddp":
+            problems.add(f"optimizer: {self.optimizer} does not run on FSDP2's sharded parameters ({self.parallel}); "
                          "use adamw")
         if self.lora_rank < 0:
             problems.add(f"lora_rank: must be >= 0, got {self.lora_rank}; 0 = full training")
@@ -323,7 +325,7 @@ def estimate_memory(cfg: MemoryConfig) -> dict[str, Any]:
     shard_params = cfg.parallel == "fsdp-full" and w > 1
     param_bytes = 2 if cfg.precision == "bf16-weights" else 4
     grad_bytes = param_bytes
-    opt_bytes = (8 if cfg.optimizer == "adamw" else 2) + (4 if cfg.precision == "bf16-weights" else 0)
+    opt_bytes = (2 if cfg.optimizer == "adamw8bit" else 8) + (4 if cfg.precision == "bf16-weights" else 0)
     ema_bytes = {"same": 4 + (4 if cfg.precision == "bf16-weights" else 0), "cpu": 0, "off": 0}[cfg.ema]
     prof = activation_profile(cfg.unet, cfg.latent_size, cfg.text_len, cfg.precision)
     act = prof["activations_checkpointed" if cfg.activation_checkpointing else "activations"]
@@ -358,7 +360,7 @@ def _estimate_lora(cfg: MemoryConfig, n: int) -> dict[str, Any]:
         "weight_copies": prof["weight_copies"],
         "gradients": n_lora * 4,
         "ddp_buckets": n_lora * 4 if cfg.world_size > 1 else 0,
-        "optimizer": n_lora * (8 if cfg.optimizer == "adamw" else 2),
+        "optimizer": n_lora * (2 if cfg.optimizer == "adamw8bit" else 8),
         "ema": n_lora * 4 if cfg.ema == "same" else 0,
         "activations": act * cfg.micro_batch_size,
         "fsdp_gather": 0,

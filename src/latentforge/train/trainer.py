@@ -63,7 +63,7 @@ from latentforge.train.ema import EMA, EMAConfig, evaluation_weights
 from latentforge.train.finetune import LoRAConfig, load_trainable_state_dict, trainable_state_dict
 from latentforge.train.masking import MaskingConfig, num_kept_tokens, sample_keep
 from latentforge.train.loggers import MetricLogger, close_loggers, open_loggers
-from latentforge.train.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm
+from latentforge.train.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm, hidden_matrices
 from latentforge.train.rng import rng_state, set_rng_state
 from latentforge.train.validation import VAL_LOG, ValidationSet, ValLossConfig, validation_times
 
@@ -299,6 +299,10 @@ class TrainConfig:
             # or not) it fails with "got mixed torch.Tensor and DTensor" (bitsandbytes 0.50).
             problems.add("optim.name: adamw8bit does not run on FSDP2's sharded (DTensor) parameters: use adamw "
                          "(with parallel.cpu_offload its fp32 state lives in host memory) or strategy ddp/none")
+        elif self.parallel.strategy == "fsdp" and self.optim.name == "muon":
+            # Newton-Schulz needs each whole matrix; FSDP2 holds a shard of it on every rank.
+            problems.add("optim.name: muon orthogonalises whole matrices and FSDP2 shards them: use adamw or "
+                         "strategy ddp/none")
         if self.frozen_dtype != "float32":
             if self.lora is None:
                 problems.add(f"frozen_dtype: {self.frozen_dtype} is for the frozen base weights of a LoRA run and "
@@ -487,7 +491,9 @@ class Trainer:
         self._importance_cache: tuple[float, tuple[torch.Tensor, torch.Tensor]] | None = None  # by min-SNR floor
         # A LoRA run checkpoints and averages only what it trains: the base is the init_from directory.
         self.trainable_only = cfg.lora is not None
-        self.optimizer = build_optimizer(model.parameters(), cfg.optim, self.device.type)
+        self.optimizer = build_optimizer(model.parameters(), cfg.optim, self.device.type,
+                                         hidden=hidden_matrices(model, denoiser_of(model).edge_layers)
+                                         if cfg.optim.name == "muon" else ())
         self.phase_batches = phase_batches(cfg, self.world.world_size)
         self.phase_steps = phase_num_steps(cfg, self.phase_batches)
         self.total_steps = sum(self.phase_steps)
