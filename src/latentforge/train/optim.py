@@ -111,8 +111,8 @@ def build_optimizer(
         raise ValueError("build_optimizer: no trainable parameters (all have requires_grad=False)")
     muon = {id(p) for p in hidden if p.requires_grad} if cfg.name == "muon" else set()
     if cfg.name == "muon" and not muon:
-        raise ConfigError("name: muon found no hidden matrices to orthogonalise (every matrix is the first or "
-                          "last layer, or frozen); use adamw")
+        raise ConfigError("name: muon found no hidden matrices to orthogonalise (every matrix is an edge layer "
+                          "of the backbone, or frozen); use adamw")
     if any(isinstance(p, DTensor) for p in trainable if id(p) in muon):
         raise ConfigError("name: muon orthogonalises whole matrices and FSDP2 shards them: use adamw, or "
                           "parallel.strategy ddp")
