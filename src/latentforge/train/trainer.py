@@ -491,8 +491,9 @@ class Trainer:
         self._importance_cache: tuple[float, tuple[torch.Tensor, torch.Tensor]] | None = None  # by min-SNR floor
         # A LoRA run checkpoints and averages only what it trains: the base is the init_from directory.
         self.trainable_only = cfg.lora is not None
+        self.denoiser = denoiser_of(model)  # how this backbone is called (train_model may wrap it)
         self.optimizer = build_optimizer(model.parameters(), cfg.optim, self.device.type,
-                                         hidden=hidden_matrices(model, denoiser_of(model).edge_layers)
+                                         hidden=hidden_matrices(model, self.denoiser.edge_layers)
                                          if cfg.optim.name == "muon" else ())
         self.phase_batches = phase_batches(cfg, self.world.world_size)
         self.phase_steps = phase_num_steps(cfg, self.phase_batches)
@@ -501,7 +502,6 @@ class Trainer:
         self.ema = EMA(model, cfg.ema, trainable_only=self.trainable_only) if cfg.ema is not None else None
         # FSDP2 shards the parameters into DTensors in place: checkpoints then go through DCP.
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
-        self.denoiser = denoiser_of(model)  # how this backbone is called (train_model may wrap it)
         self.step = 0
         self.phase = 0
         self.skipped_steps = 0
