@@ -222,10 +222,13 @@ def test_handlers_are_restored_and_a_stop_file_stops(tmp_path):
 # ------------------------------------------------------------------------------ train-vae, encode
 
 
-def test_train_vae_stops_with_a_checkpoint_and_resumes_exactly(latent_data, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_train_vae_stops_with_a_checkpoint_and_resumes_exactly(latent_data, tmp_path, optimizer):  # noqa: F811
     """train-vae gets SIGTERM in step 3 of 6 (checkpoints every 4): it finishes the step, saves it,
     exits 75; the rerun (which passes the periodic step-4 checkpoint) writes a VAE equal bit for
-    bit to an uninterrupted run's, with the same measured scale factor, and removes its checkpoints."""
+    bit to an uninterrupted run's, with the same measured scale factor, and removes its checkpoints.
+    With Muon (the demo's VAE optimizer) the momentum buffers and the AdamW group's moments are in
+    the checkpoint too."""
     import safetensors.torch
 
     from latentforge.train.vae import VAETrainConfig, train_vae
@@ -233,7 +236,7 @@ def test_train_vae_stops_with_a_checkpoint_and_resumes_exactly(latent_data, tmp_
     vae = {"data": {"datasets": [{"path": str(latent_data["raw16"])}], "num_workers": 0,
                     "cache_dir": str(latent_data["cache"])},
            "steps": 6, "batch_size": 8, "warmup_steps": 2, "scale_samples": 16, "log_every": 1,
-           "checkpoint_every_steps": 4,
+           "checkpoint_every_steps": 4, "optimizer": optimizer,
            "model": {"block_out_channels": [8, 16], "norm_num_groups": 4, "sample_size": 16}}
     reference = train_vae(from_dict(VAETrainConfig, vae), tmp_path / "reference", progress=False)
     recipe = tmp_path / "vae.yaml"
