@@ -78,6 +78,15 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     assert heldout["wordings"]["caption"]["both"]["num"] == 48  # demo.prompts_per_combo=8 x 6 combinations
     assert heldout["wordings"]["plain"]["both"]["num"] == 12  # demo.new_wording_per_combo=2 x 6
     assert heldout["new_wordings"]["both"]["num"] == 12
+    # a grid per split and wording, one row per combination (prompts of a combination are consecutive),
+    # beside the judge's verdict on each of its images
+    from PIL import Image
+
+    for wording, per_combo in (("plain", 2),):
+        grid = Image.open(out / "samples" / f"heldout-{wording}.png")
+        lines = (out / "samples" / f"heldout-{wording}.txt").read_text().splitlines()
+        assert len(lines) == 6 * per_combo and grid.size[0] * 6 == grid.size[1] * per_combo
+        assert [line.split()[:2] for line in lines[:per_combo]] == [["red", "star"]] * per_combo
 
 
 def test_rescore_gives_the_demos_figures_at_its_own_scale_and_keeps_the_judge(golden):

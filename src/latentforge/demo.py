@@ -318,7 +318,9 @@ def _real_heldout(out: Path, size: int) -> torch.Tensor:
 def _evaluate(recipe: Any, out: Path, judge: Any, grid_dir: Path | None = None) -> dict[str, Any]:
     """Sample every split x wording with the exported pipeline (loaded as a user loads it) and score
     colour, shape, size and position with 95% intervals; the Fréchet distance in the judge's space.
-    Grids and verdicts go to ``grid_dir`` (``out/samples`` by default)."""
+    Grids (``SPLIT.png`` for the caption wording, ``SPLIT-WORDING.png`` for the others) and the judge's
+    verdicts (``SPLIT-WORDING.txt``, one line per image in grid order) go to ``grid_dir`` (``out/samples``
+    by default)."""
     from latentforge.evaluate.alignment import check_new_wordings, make_prompts, score
     from latentforge.evaluate.judge import chance, features, textures, thumbnails, verdicts
     from latentforge.evaluate.metrics import frechet_distance
@@ -356,10 +358,13 @@ def _evaluate(recipe: Any, out: Path, judge: Any, grid_dir: Path | None = None) 
             all_prompts += prompts
             for a, v in found.items():
                 all_found.setdefault(a, []).extend(v)
+            # one row per combination (prompts of a combination are consecutive), beside the judge's verdicts
+            per_row = d.images_per_combo(wording)
             if wording == "caption":
                 caption_images[split] = images
-                # one row per combination, prompts_per_combo images each
-                make_grid(images, None, ncols=d.prompts_per_combo, scale=3).save(grid_dir / f"{split}.png")
+                make_grid(images, None, ncols=per_row, scale=3).save(grid_dir / f"{split}.png")
+            else:
+                make_grid(images, None, ncols=per_row, scale=3).save(grid_dir / f"{split}-{wording}.png")
             (grid_dir / f"{split}-{wording}.txt").write_text(
                 "".join(f"{p.text}\t{' '.join(found[a][k] for a in ('color', 'shape', 'size', 'position'))}\n"
                         for k, p in enumerate(prompts)))

@@ -204,6 +204,9 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         "",
         "![seen](samples/seen.png)",
         "",
+        "The other wordings' grids are `samples/SPLIT-WORDING.png`, each beside the judge's verdicts on every image "
+        "(`samples/SPLIT-WORDING.txt`, one line per image in grid order: colour, shape, size, position).",
+        "",
         "### Per combination",
         *_per_combo(ev),
         "",
