@@ -358,13 +358,11 @@ def _evaluate(recipe: Any, out: Path, judge: Any, grid_dir: Path | None = None) 
             all_prompts += prompts
             for a, v in found.items():
                 all_found.setdefault(a, []).extend(v)
-            # one row per combination (prompts of a combination are consecutive), beside the judge's verdicts
-            per_row = d.images_per_combo(wording)
             if wording == "caption":
                 caption_images[split] = images
-                make_grid(images, None, ncols=per_row, scale=3).save(grid_dir / f"{split}.png")
-            else:
-                make_grid(images, None, ncols=per_row, scale=3).save(grid_dir / f"{split}-{wording}.png")
+            # one row per combination (prompts of a combination are consecutive), beside the judge's verdicts
+            grid_name = f"{split}.png" if wording == "caption" else f"{split}-{wording}.png"
+            make_grid(images, None, ncols=d.images_per_combo(wording), scale=3).save(grid_dir / grid_name)
             (grid_dir / f"{split}-{wording}.txt").write_text(
                 "".join(f"{p.text}\t{' '.join(found[a][k] for a in ('color', 'shape', 'size', 'position'))}\n"
                         for k, p in enumerate(prompts)))
