@@ -54,6 +54,10 @@ def test_new_wordings_are_no_training_caption(monkeypatch):
     monkeypatch.setitem(alignment.NEW_WORDINGS, "copy", "a {color} {shape} {where}")
     with pytest.raises(ConfigError, match="is a training caption"):
         check_new_wordings()
+    # and one that an extra template (synth.extra_templates) can make
+    monkeypatch.setitem(alignment.NEW_WORDINGS, "copy", "there is a {size} {color} {shape} {where}")
+    with pytest.raises(ConfigError, match="is a training caption"):
+        check_new_wordings()
     assert caption_for("star", "red", "small", "top left", "light", 0) == "a small red star in the top left"
 
 

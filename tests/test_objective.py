@@ -407,3 +407,46 @@ def test_caption_dropout_reaches_the_model_as_the_empty_prompt(latent_data, tmp_
     probe = Probe()
     make_trainer(probe, NoiseScheduleConfig()).loss_on(batch)
     assert torch.equal(probe.seen["hidden"], batch["text_hidden"].float())
+
+
+# --------------------------------------------------------------------------- text-state noise
+
+
+def test_text_noise_is_scaled_to_each_caption_and_spares_dropped_ones(latent_data):
+    """``train.text_noise``: loss_on hands the model each kept caption's states plus noise of std
+    ``text_noise`` x that caption's RMS, drawn per global position (the same draw for the same
+    sample, whatever its batch), and the dropped (empty) captions' states unchanged."""
+    from latentforge.train.trainer import text_state_noise
+
+    cfg = LoaderConfig(datasets=[StreamConfig(path=str(latent_data["latent16"]))], seed=4, caption_dropout=0.5,
+                       num_workers=0, shuffle_window_shards=2, cache_dir=str(latent_data["cache"]))
+    loader = build_loader(cfg, 16)
+    batch = next(iter(loader))
+    loader.close()
+    dropped = batch["_caption_dropped"].bool()
+    assert 0 < int(dropped.sum()) < 16, "the test needs dropped and kept captions in one batch"
+
+    probe = Probe()
+    make_trainer(probe, NoiseScheduleConfig(), text_noise=0.3).loss_on(batch)
+    states = batch["text_hidden"].float()
+    added = probe.seen["hidden"] - states
+    assert torch.equal(added[dropped], torch.zeros_like(added[dropped]))
+    rms = states[~dropped].pow(2).mean(dim=(1, 2)).sqrt()
+    ratio = added[~dropped].std(dim=(1, 2)) / rms
+    assert torch.allclose(ratio, torch.full_like(ratio, 0.3), atol=0.08), ratio  # 8 x 16 draws a caption: +-6%
+    draws = text_state_noise(11, batch["_position"].tolist(), tuple(states.shape[1:]))
+    torch.testing.assert_close(added[~dropped], (0.3 * rms.view(-1, 1, 1)) * draws[~dropped])
+    one = text_state_noise(11, [int(batch["_position"][-1])], tuple(states.shape[1:]))
+    assert torch.equal(one[0], draws[-1])
+    assert not torch.equal(draws[0], draws[1])
+    other_seed = text_state_noise(12, [int(batch["_position"][-1])], tuple(states.shape[1:]))
+    assert not torch.equal(other_seed[0], draws[-1])
+    # a different stream from the diffusion noise of the same seed and position
+    _, noise, _ = sample_noise(11, [int(batch["_position"][-1])], tuple(states.shape[1:]), T, 0.0, False)
+    assert not torch.allclose(noise[0], one[0])
+
+
+def test_text_noise_off_by_default_and_validated():
+    assert TrainConfig().text_noise == 0.0
+    with pytest.raises(Exception, match="text_noise"):
+        TrainConfig(text_noise=-0.1, phases=[PhaseConfig(datasets=[StreamConfig(path="x")], steps=1)]).validate()

@@ -13,6 +13,7 @@ from latentforge.config import from_dict
 from latentforge.data import synth
 from latentforge.data.synth import (
     COLORS,
+    EXTRA_TEMPLATES,
     HELDOUT_COMBOS,
     PARTIAL_TEMPLATES,
     POSITIONS,
@@ -141,6 +142,41 @@ def test_partial_captions_change_only_training_captions(dataset, tmp_path):
         assert (out / y["file"]).with_suffix(".txt").read_text() == y["caption"]
 
 
+def test_extra_templates_name_everything_in_other_orders():
+    attrs = ("triangle", "red", "small", "top left", "dark")
+    first = len(TEMPLATES) + len(PARTIAL_TEMPLATES)
+    texts = [caption_for(*attrs, first + k) for k in range(len(EXTRA_TEMPLATES))]
+    assert texts[1] == "small triangle, red, in the top left corner"  # the shape before its colour
+    assert texts[4] == "the red triangle is small and sits in the top left"
+    assert all("red" in t and "triangle" in t and "small" in t and "top left" in t and "{" not in t for t in texts)
+    assert not set(texts) & {caption_for(*attrs, t) for t in range(first)}
+
+
+def test_extra_templates_change_only_training_captions_and_add_to_partial(dataset, tmp_path):
+    out = tmp_path / "extra"
+    generate(out, SynthConfig(**SMALL, extra_templates=0.5), progress=False)
+    full, extra = _files(dataset), _files(out)
+    assert all(full[k] == extra[k] for k in full if k.endswith(".png") or k.startswith("heldout/"))
+    a, b = _labels(dataset), _labels(out)
+    changed = [(x, y) for x, y in zip(a, b) if x["caption"] != y["caption"]]
+    assert all(x["split"] == "train" for x, _ in changed) and 10 <= len(changed) <= 30
+    first = len(TEMPLATES) + len(PARTIAL_TEMPLATES)
+    for x, y in changed:
+        assert y["caption"] in {caption_for(x["shape"], x["color"], x["size"], x["position"], x["background"],
+                                            first + k) for k in range(len(EXTRA_TEMPLATES))}
+    # with partial captions too: a partial caption stays partial, the extra share comes out of the rest
+    both = tmp_path / "both"
+    generate(both, SynthConfig(**SMALL, partial_captions=0.3, extra_templates=0.5), progress=False)
+    partial = tmp_path / "partial"
+    generate(partial, SynthConfig(**SMALL, partial_captions=0.3), progress=False)
+    for x, p, q in zip(a, _labels(partial), _labels(both)):
+        if p["caption"] != x["caption"]:
+            assert q["caption"] == p["caption"]  # partial in both
+        elif q["caption"] != x["caption"]:
+            assert q["caption"] in {caption_for(x["shape"], x["color"], x["size"], x["position"], x["background"],
+                                                first + k) for k in range(len(EXTRA_TEMPLATES))}
+
+
 def test_prompts_for_combos_deterministic_and_on_topic():
     a = prompts_for_combos(HELDOUT_COMBOS, 3, num_per_combo=2)
     assert a == prompts_for_combos(HELDOUT_COMBOS, np.random.default_rng(3), num_per_combo=2)
@@ -208,6 +244,8 @@ def test_render_shapes_differ_and_positions_move_the_shape():
         ({"heldout": [], "num_heldout": 5}, "num_heldout"),
         ({"partial_captions": 1.5}, "partial_captions"),
         ({"partial_captions": -0.1}, "partial_captions"),
+        ({"extra_templates": 1.1}, "extra_templates"),
+        ({"partial_captions": 0.6, "extra_templates": 0.6}, "partial_captions \\+ extra_templates"),
     ],
 )
 def test_config_validation_names_the_field(data, field):

@@ -20,7 +20,9 @@ the background, so the inside of a shape has exactly its nominal colour. Small j
 from several templates (:data:`TEMPLATES`), e.g. "a small red triangle in the top left",
 "top left: red triangle, small", "a red triangle, small, in the top left corner"; with
 ``partial_captions`` that share of the training captions come from :data:`PARTIAL_TEMPLATES`,
-which leave out the size, the position or both ("a red triangle on a dark background").
+which leave out the size, the position or both ("a red triangle on a dark background"); with
+``extra_templates`` that share come from :data:`EXTRA_TEMPLATES`, six more that name everything in
+other orders ("small triangle, red, in the top left corner").
 
 Held out for testing generalisation (:data:`HELDOUT_COMBOS`, the default of
 ``SynthConfig.heldout``): red star, yellow circle, green triangle, cyan diamond, blue square,
@@ -68,6 +70,7 @@ __all__ = [
     "BACKGROUNDS",
     "TEMPLATES",
     "PARTIAL_TEMPLATES",
+    "EXTRA_TEMPLATES",
     "HELDOUT_COMBOS",
     "SynthConfig",
     "parse_combo",
@@ -140,7 +143,19 @@ PARTIAL_TEMPLATES: tuple[str, ...] = (
     "a {color} {shape} on a {bg} background",
     "{bg} background, {color} {shape}",
 )
-_ALL_TEMPLATES = TEMPLATES + PARTIAL_TEMPLATES  # the index space of caption_for's ``template``
+# More templates that name everything, in other orders and phrasings (the shape before its colour,
+# the place first, a sentence), for the share ``SynthConfig.extra_templates`` of the training
+# captions. Template ``len(TEMPLATES) + len(PARTIAL_TEMPLATES) + k`` is ``EXTRA_TEMPLATES[k]``.
+# None is a wording the evaluation prompts with (evaluate/alignment.py checks every one).
+EXTRA_TEMPLATES: tuple[str, ...] = (
+    "there is a {size} {color} {shape} {where}",
+    "{size} {shape}, {color}, {where_long}",
+    "a {shape} in {color}, {size}, {where}",
+    "{bg} background: a {size} {color} {shape} {where_long}",
+    "the {color} {shape} is {size} and sits {where}",
+    "{pos}, {size}: one {color} {shape}",
+)
+_ALL_TEMPLATES = TEMPLATES + PARTIAL_TEMPLATES + EXTRA_TEMPLATES  # the index space of caption_for's ``template``
 
 HELDOUT_COMBOS: tuple[tuple[str, str], ...] = (
     ("red", "star"),
@@ -254,6 +269,14 @@ class SynthConfig:
             "held-out split keeps full captions. 0: every caption names everything"
         },
     )
+    extra_templates: float = field(
+        default=0.0,
+        metadata={
+            "help": "share of the training captions drawn from EXTRA_TEMPLATES (six more that name "
+            "everything, in other orders and phrasings) instead of TEMPLATES; the held-out split keeps "
+            "TEMPLATES. 0: the six TEMPLATES only"
+        },
+    )
     heldout: list[str] = field(
         default_factory=lambda: [f"{c} {s}" for c, s in HELDOUT_COMBOS],
         metadata={
@@ -271,6 +294,11 @@ class SynthConfig:
             raise ConfigError(f"seed: must be 0 or more, got {self.seed}")
         if not 0.0 <= self.partial_captions <= 1.0:
             raise ConfigError(f"partial_captions: must be a share in [0, 1], got {self.partial_captions}")
+        if not 0.0 <= self.extra_templates <= 1.0:
+            raise ConfigError(f"extra_templates: must be a share in [0, 1], got {self.extra_templates}")
+        if self.partial_captions + self.extra_templates > 1.0:
+            raise ConfigError(f"partial_captions + extra_templates: shares of one set of captions, together at "
+                              f"most 1, got {self.partial_captions} + {self.extra_templates}")
         if self.image_size < 16:
             raise ConfigError(
                 f"image_size: must be at least 16 px (shapes are unreadable below), got {self.image_size}"
@@ -364,7 +392,7 @@ def render(
 
 
 def caption_for(shape: str, color: str, size: str, position: str, background: str, template: int) -> str:
-    """The caption of template ``template`` of ``TEMPLATES + PARTIAL_TEMPLATES`` for these attributes."""
+    """The caption of template ``template`` of ``TEMPLATES + PARTIAL_TEMPLATES + EXTRA_TEMPLATES`` for these attributes."""
     where, where_long = _WHERE[position]
     return _ALL_TEMPLATES[template].format(
         size=size, color=color, shape=shape, bg=background, where=where, where_long=where_long, pos=position
@@ -414,6 +442,13 @@ def _plan(cfg: SynthConfig, split: str) -> list[dict]:
         partial = sub.random(num) < cfg.partial_captions
         kinds = sub.integers(len(PARTIAL_TEMPLATES), size=num)
         templates = np.where(partial, len(TEMPLATES) + kinds, templates)
+    if split == "train" and cfg.extra_templates > 0:
+        # A stream of its own as well; a caption is partial or extra, never both (the shares add up).
+        sub = np.random.default_rng(np.random.SeedSequence([cfg.seed, split_id], spawn_key=(2,)))
+        u = sub.random(num)
+        kinds = sub.integers(len(EXTRA_TEMPLATES), size=num)
+        extra = (u < cfg.extra_templates) & (templates < len(TEMPLATES))
+        templates = np.where(extra, len(TEMPLATES) + len(PARTIAL_TEMPLATES) + kinds, templates)
     tone_names = list(BACKGROUNDS)
     plan = []
     for i in range(num):

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from latentforge.data.synth import (
-    BACKGROUNDS, COLORS, PARTIAL_TEMPLATES, POSITIONS, SHAPES, SIZES, TEMPLATES, caption_for,
+    BACKGROUNDS, COLORS, EXTRA_TEMPLATES, PARTIAL_TEMPLATES, POSITIONS, SHAPES, SIZES, TEMPLATES, caption_for,
 )
 from latentforge.errors import ConfigError
 from latentforge.evaluate.judge import ATTRIBUTES
@@ -79,7 +79,8 @@ def make_prompts(combos: Sequence[tuple[str, str]], wording: str, num_per_combo:
 def check_new_wordings() -> None:
     """Raise if any prompt of a new wording equals a caption the training templates can make."""
     captions = {caption_for(s, c, z, p, b, t) for s in SHAPES for c in COLORS for z in SIZES for p in POSITIONS
-                for b in BACKGROUNDS for t in range(len(TEMPLATES) + len(PARTIAL_TEMPLATES))}
+                for b in BACKGROUNDS
+                for t in range(len(TEMPLATES) + len(PARTIAL_TEMPLATES) + len(EXTRA_TEMPLATES))}
     for name, template in NEW_WORDINGS.items():
         for s in SHAPES:
             for c in COLORS:

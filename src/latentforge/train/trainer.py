@@ -190,6 +190,9 @@ class TrainConfig:
                 "by its density (the same expected loss, weights less uneven); 0 = uniform timesteps, 1 = every "
                 "sample weighs the same. The demo lost position words with 0.5 and 1 (docs/demo.md, run 27)"})
     offset_noise: float = field(default=0.0, metadata={"help": "offset-noise strength; 0 = off (0.05-0.1 is usual)"})
+    text_noise: float = field(default=0.0, metadata={
+        "help": "Gaussian noise added to each training caption's text states, its std this fraction of the "
+                "states' RMS (dropped captions stay exact; sampling never adds it); 0 = off"})
     sample_posterior: bool = field(default=True, metadata={
         "help": "latents = mean + std * N(0, 1) of the VAE posterior (SD); false = the mean"})
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "AdamW and the LR schedule"})
@@ -263,6 +266,9 @@ class TrainConfig:
                          "but min_snr_gamma is 0 (off): set min_snr_gamma (e.g. 5) or timestep_importance: 0")
         if self.offset_noise < 0:
             problems.add(f"offset_noise: must be >= 0, got {self.offset_noise}; 0 = off, 0.05-0.1 is usual")
+        if not 0 <= self.text_noise <= 1:
+            problems.add(f"text_noise: must be in [0, 1], got {self.text_noise}; a fraction of the text states' RMS, "
+                         "0 = off")
         if self.max_skipped_steps < 0:
             problems.add(f"max_skipped_steps: must be >= 0, got {self.max_skipped_steps}; the most steps skipped "
                          "with nonfinite=skip before the run stops")
@@ -425,6 +431,29 @@ def sample_noise(seed: int, positions: list[int], latent_shape: tuple[int, ...],
         posts.append(torch.randn(latent_shape, generator=g) if posterior else torch.zeros(()))
     post = torch.stack(posts) if posterior else None
     return torch.cat(ts), torch.stack(noises), post
+
+
+# Mixed into the (seed, position) key so that the text-noise draws are a stream apart from the diffusion noise.
+_TEXT_STREAM = 0x74657874  # "text"
+
+
+def text_state_noise(seed: int, positions: list[int], shape: tuple[int, ...]) -> torch.Tensor:
+    """N(0, 1) draws of ``shape`` (one caption's text states) for the samples at global
+    ``positions``, each from its own CPU generator seeded by hash(seed, text stream, position):
+    like :func:`sample_noise`, independent of rank count and resume."""
+    with np.errstate(over="ignore"):
+        base = _splitmix64(np.asarray([seed], dtype=np.uint64)) ^ np.uint64(_TEXT_STREAM)
+        keys = _splitmix64(np.asarray(positions, dtype=np.uint64) ^ _splitmix64(base))
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(k) & 0x7FFF_FFFF_FFFF_FFFF))
+                        for k in keys.tolist()])
+
+
+def perturb_text(hidden: torch.Tensor, noise: torch.Tensor, strength: float, keep: torch.Tensor) -> torch.Tensor:
+    """``hidden`` (B, L, D) plus ``noise`` scaled to ``strength`` times each caption's RMS over its
+    states; rows where ``keep`` (B,) is true (the dropped, empty captions) are returned unchanged."""
+    rms = hidden.float().pow(2).mean(dim=(1, 2), keepdim=True).sqrt()
+    scale = torch.where(keep.view(-1, 1, 1), torch.zeros_like(rms), strength * rms)
+    return hidden + (scale * noise).to(hidden.dtype)
 
 
 def noised(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, schedule: NoiseScheduleConfig,
@@ -634,6 +663,10 @@ class Trainer:
         hidden = batch["text_hidden"].to(self.device, non_blocking=True)
         mask = batch["text_mask"].to(self.device, non_blocking=True) if self.denoiser.uses_text_mask else None
         hidden = hidden.to(self.autocast_dtype or torch.float32)
+        if cfg.text_noise:
+            dropped = torch.as_tensor(batch.get("_caption_dropped", [False] * len(hidden)), dtype=torch.bool)
+            noise_h = text_state_noise(cfg.seed, batch["_position"], tuple(hidden.shape[1:]))
+            hidden = perturb_text(hidden, noise_h.to(self.device), cfg.text_noise, dropped.to(self.device))
         ratio = self.masking_ratio()
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             if ratio:
