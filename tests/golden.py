@@ -41,6 +41,7 @@ TINY = [
     "train.noise.timestep_spacing=leading",  # ... and the sampler's spacing (the recipe's is trailing since run 25)
     "vae.latent_scale=1",  # ... and the latents' scale (the recipe's is 0.7 since run 27)
     "vae.optimizer=adamw",  # ... and the VAE's optimizer (the recipe's is Muon since run 29)
+    "loader.caption_dropout=0.1",  # ... and the caption dropout (the recipe's is 0.05 since run 31)
     "train.log_every=10", "train.checkpoint.every_steps=60", "train.eval.every_steps=60",
     "train.val.every_steps=60", "train.val.num_samples=24",
     "demo.curve_per_combo=4", "demo.prompts_per_combo=8", "demo.wordings=[caption,plain]",
