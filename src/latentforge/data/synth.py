@@ -274,7 +274,7 @@ class SynthConfig:
         metadata={
             "help": "share of the training captions drawn from EXTRA_TEMPLATES (six more that name "
             "everything, in other orders and phrasings) instead of TEMPLATES; the held-out split keeps "
-            "TEMPLATES. 0: the six TEMPLATES only"
+            "TEMPLATES. 0: the six TEMPLATES only (the demo lost new-wording prompts with 0.5, docs/demo.md run 31)"
         },
     )
     heldout: list[str] = field(

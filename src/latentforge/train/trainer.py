@@ -192,7 +192,8 @@ class TrainConfig:
     offset_noise: float = field(default=0.0, metadata={"help": "offset-noise strength; 0 = off (0.05-0.1 is usual)"})
     text_noise: float = field(default=0.0, metadata={
         "help": "Gaussian noise added to each training caption's text states, its std this fraction of the "
-                "states' RMS (dropped captions stay exact; sampling never adds it); 0 = off"})
+                "states' RMS (dropped captions stay exact; sampling never adds it); 0 = off. The demo lost its "
+                "new-wording prompts with 0.25 (docs/demo.md, run 31)"})
     sample_posterior: bool = field(default=True, metadata={
         "help": "latents = mean + std * N(0, 1) of the VAE posterior (SD); false = the mean"})
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "AdamW and the LR schedule"})
