@@ -297,8 +297,8 @@ class SynthConfig:
         if not 0.0 <= self.extra_templates <= 1.0:
             raise ConfigError(f"extra_templates: must be a share in [0, 1], got {self.extra_templates}")
         if self.partial_captions + self.extra_templates > 1.0:
-            raise ConfigError(f"partial_captions + extra_templates: shares of one set of captions, together at "
-                              f"most 1, got {self.partial_captions} + {self.extra_templates}")
+            raise ConfigError(f"extra_templates: {self.extra_templates} with partial_captions {self.partial_captions}: "
+                              "shares of one set of captions, together at most 1")
         if self.image_size < 16:
             raise ConfigError(
                 f"image_size: must be at least 16 px (shapes are unreadable below), got {self.image_size}"
