@@ -449,11 +449,11 @@ def text_state_noise(seed: int, positions: list[int], shape: tuple[int, ...]) ->
                         for k in keys.tolist()])
 
 
-def perturb_text(hidden: torch.Tensor, noise: torch.Tensor, strength: float, keep: torch.Tensor) -> torch.Tensor:
+def perturb_text(hidden: torch.Tensor, noise: torch.Tensor, strength: float, spare: torch.Tensor) -> torch.Tensor:
     """``hidden`` (B, L, D) plus ``noise`` scaled to ``strength`` times each caption's RMS over its
-    states; rows where ``keep`` (B,) is true (the dropped, empty captions) are returned unchanged."""
+    states; rows where ``spare`` (B,) is true (the dropped, empty captions) are returned unchanged."""
     rms = hidden.float().pow(2).mean(dim=(1, 2), keepdim=True).sqrt()
-    scale = torch.where(keep.view(-1, 1, 1), torch.zeros_like(rms), strength * rms)
+    scale = torch.where(spare.view(-1, 1, 1), torch.zeros_like(rms), strength * rms)
     return hidden + (scale * noise).to(hidden.dtype)
 
 
