@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from latentforge import checkpoint as ckpt
 from latentforge.data.loader import StreamConfig, TrainLoader
+from latentforge.data.order import hash64
 from latentforge.diffusion.flow_matching import (
     FLOW_MATCHING,
     flow_noisy,
@@ -434,7 +435,8 @@ def sample_noise(seed: int, positions: list[int], latent_shape: tuple[int, ...],
     return torch.cat(ts), torch.stack(noises), post
 
 
-# Mixed into the (seed, position) key so that the text-noise draws are a stream apart from the diffusion noise.
+# Mixed into the (seed, position) key (as train/masking.py's mask stream) so that the text-noise draws are a
+# stream apart from the diffusion noise and the masks.
 _TEXT_STREAM = 0x74657874  # "text"
 
 
@@ -442,9 +444,7 @@ def text_state_noise(seed: int, positions: list[int], shape: tuple[int, ...]) ->
     """N(0, 1) draws of ``shape`` (one caption's text states) for the samples at global
     ``positions``, each from its own CPU generator seeded by hash(seed, text stream, position):
     like :func:`sample_noise`, independent of rank count and resume."""
-    with np.errstate(over="ignore"):
-        base = _splitmix64(np.asarray([seed], dtype=np.uint64)) ^ np.uint64(_TEXT_STREAM)
-        keys = _splitmix64(np.asarray(positions, dtype=np.uint64) ^ _splitmix64(base))
+    keys = hash64(np.uint64(seed), np.asarray(positions, dtype=np.int64), np.uint64(_TEXT_STREAM))
     return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(k) & 0x7FFF_FFFF_FFFF_FFFF))
                         for k in keys.tolist()])
 
@@ -665,7 +665,7 @@ class Trainer:
         mask = batch["text_mask"].to(self.device, non_blocking=True) if self.denoiser.uses_text_mask else None
         hidden = hidden.to(self.autocast_dtype or torch.float32)
         if cfg.text_noise:
-            dropped = torch.as_tensor(batch.get("_caption_dropped", [False] * len(hidden)), dtype=torch.bool)
+            dropped = torch.as_tensor(batch["_caption_dropped"], dtype=torch.bool)
             noise_h = text_state_noise(cfg.seed, batch["_position"], tuple(hidden.shape[1:]))
             hidden = perturb_text(hidden, noise_h.to(self.device), cfg.text_noise, dropped.to(self.device))
         ratio = self.masking_ratio()
