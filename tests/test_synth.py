@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -277,6 +278,21 @@ def test_refuses_foreign_or_other_config_dir(dataset, tmp_path):
         generate(dataset, SynthConfig(**{**SMALL, "num": 41}), progress=False)
     with pytest.raises(UserError, match="local directory"):
         generate("s3://bucket/synth", SynthConfig(**SMALL), progress=False)
+
+
+def test_rerun_of_an_output_older_than_an_option_resumes(dataset, tmp_path):
+    """An output written before an option existed (its saved config lacks the key) is the dataset of
+    the option's default: a rerun with the default takes it as it is, another value is refused."""
+    out = tmp_path / "older"
+    shutil.copytree(dataset, out)
+    summary = json.loads((out / "synth.json").read_text())
+    del summary["config"]["extra_templates"]
+    (out / "synth.json").write_text(json.dumps(summary))
+    before = _files(out)
+    assert generate(out, SynthConfig(**SMALL), progress=False) == summary
+    assert _files(out) == before
+    with pytest.raises(UserError, match="extra_templates 0.0 there, 0.5 now"):
+        generate(out, SynthConfig(**{**SMALL, "extra_templates": 0.5}), progress=False)
 
 
 def test_killed_run_is_incomplete_and_rerun_finishes_it(dataset, tmp_path, monkeypatch):

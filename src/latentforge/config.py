@@ -34,6 +34,7 @@ __all__ = [
     "field_help",
     "from_dict",
     "to_dict",
+    "with_defaults",
     "apply_overrides",
     "load_yaml",
     "load_config",
@@ -252,6 +253,16 @@ def to_dict(cfg: Any) -> Any:
     if isinstance(cfg, dict):
         return {k: to_dict(v) for k, v in cfg.items()}
     return cfg
+
+
+def with_defaults(saved: Any, defaults: Any) -> Any:
+    """``saved`` (a config read back from a file an earlier run wrote) with every key it lacks, at any
+    depth, taken from ``defaults``. A field added to a config class after that file was written then
+    reads as its default, which keeps what the earlier code did (a new option is off by default), so a
+    rerun after an upgrade resumes the stage instead of refusing its output."""
+    if not isinstance(saved, dict) or not isinstance(defaults, dict):
+        return saved
+    return {**defaults, **{k: with_defaults(v, defaults.get(k)) for k, v in saved.items()}}
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:

@@ -59,7 +59,7 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 from latentforge import storage
-from latentforge.config import to_dict
+from latentforge.config import to_dict, with_defaults
 from latentforge.errors import ConfigError, UserError
 
 __all__ = [
@@ -544,6 +544,8 @@ def generate(out_dir: str | Path, cfg: SynthConfig, progress: bool = True) -> di
         previous, complete = _previous_config(out)
         if previous is None:
             raise UserError(f"{out}: not empty and not a synth output; choose an empty or new --out")
+        # An option added since that run is absent from its config: its default is what that run did.
+        previous = with_defaults(previous, json.loads(json.dumps(to_dict(SynthConfig()))))
         if previous != wanted:
             raise UserError(
                 f"{out}: holds a synth dataset made with another config ({_config_diff(previous, wanted)}); "

@@ -34,6 +34,7 @@ from PIL import Image
 from torch import nn
 from tqdm import tqdm
 
+from latentforge.config import with_defaults
 from latentforge.data.synth import COLORS, POSITIONS, SHAPES, SIZES
 from latentforge.errors import Problems, UserError
 
@@ -487,13 +488,6 @@ def _as_json(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
-def _with_defaults(saved: Any, defaults: Any) -> Any:
-    """``saved`` with every key it lacks (at any depth) taken from ``defaults``."""
-    if not isinstance(saved, dict) or not isinstance(defaults, dict):
-        return saved
-    return {**defaults, **{k: _with_defaults(v, defaults.get(k)) for k, v in saved.items()}}
-
-
 def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: dict | None = None,
                defaults: dict | None = None) -> tuple[Judge | JudgeEnsemble, dict] | None:
     """The judge that :func:`save_judge` wrote and its report; ``None`` when ``out_dir`` holds none,
@@ -510,9 +504,9 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: 
         meta = json.loads((d / JUDGE_META).read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{d / JUDGE_META}: not valid JSON ({e.msg}); delete {d} to train the judge again") from None
-    if cfg is not None and _with_defaults(meta.get("config"), _as_json(asdict(JudgeConfig()))) != _as_json(asdict(cfg)):
+    if cfg is not None and with_defaults(meta.get("config"), _as_json(asdict(JudgeConfig()))) != _as_json(asdict(cfg)):
         return None
-    if trained_on is not None and (_with_defaults(meta.get("trained_on"), _as_json(defaults or {}))
+    if trained_on is not None and (with_defaults(meta.get("trained_on"), _as_json(defaults or {}))
                                    != _as_json(trained_on)):
         return None
     tensors = load_safetensors(d / JUDGE_WEIGHTS)
