@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from latentforge import checkpoint as ckpt
 from latentforge.data.loader import StreamConfig, TrainLoader
-from latentforge.data.order import hash64
+from latentforge.data.order import hash64, splitmix64
 from latentforge.diffusion.flow_matching import (
     FLOW_MATCHING,
     flow_noisy,
@@ -403,14 +403,6 @@ def phase_num_steps(cfg: TrainConfig, batches: list[tuple[int, int, int]]) -> li
     return [p.steps or math.ceil(p.samples / global_) for p, (_, _, global_) in zip(cfg.phases, batches)]
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser (Steele et al. 2014): a fixed, well-mixed 64-bit hash."""
-    x = (x + np.uint64(0x9E3779B97F4A7C15)) & np.uint64(0xFFFFFFFFFFFFFFFF)
-    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & np.uint64(0xFFFFFFFFFFFFFFFF)
-    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & np.uint64(0xFFFFFFFFFFFFFFFF)
-    return x ^ (x >> np.uint64(31))
-
-
 def sample_noise(seed: int, positions: list[int], latent_shape: tuple[int, ...], num_timesteps: int,
                  offset_noise: float, posterior: bool,
                  draw_time: Callable[[torch.Generator], torch.Tensor] | None = None,
@@ -419,8 +411,7 @@ def sample_noise(seed: int, positions: list[int], latent_shape: tuple[int, ...],
     its own CPU generator seeded by hash(seed, position): independent of rank count and resume.
     ``draw_time(generator)``: the time of one sample (flow matching: its sigma, shape (1,)); by
     default an integer timestep uniform on 0 .. num_timesteps - 1."""
-    with np.errstate(over="ignore"):
-        keys = _splitmix64(np.asarray(positions, dtype=np.uint64) ^ _splitmix64(np.asarray([seed], dtype=np.uint64)))
+    keys = splitmix64(np.asarray(positions, dtype=np.uint64) ^ splitmix64(seed))
     ts, noises, posts = [], [], []
     for key in keys.tolist():
         g = torch.Generator().manual_seed(int(key) & 0x7FFF_FFFF_FFFF_FFFF)
