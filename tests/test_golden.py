@@ -78,6 +78,10 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     assert heldout["wordings"]["caption"]["both"]["num"] == 48  # demo.prompts_per_combo=8 x 6 combinations
     assert heldout["wordings"]["plain"]["both"]["num"] == 12  # demo.new_wording_per_combo=2 x 6
     assert heldout["new_wordings"]["both"]["num"] == 12
+    # two images of each plain prompt: the interval counts 6 prompts, not 12 independent images
+    assert heldout["wordings"]["plain"]["both"]["prompts"] == 6 and heldout["wordings"]["plain"]["same_layout"]["prompts"] == 6
+    assert "The interval is by prompt" in report and "/12, 6 prompts)" in report
+    assert "Prompts that leave size or position open, drawn at one size and place" in report
     # a grid per split and wording, one row per combination (prompts of a combination are consecutive),
     # beside the judge's verdict on each of its images
     from PIL import Image

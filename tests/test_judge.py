@@ -3,6 +3,7 @@ is not a shape of the set (else its scores mean nothing), agree with labels assi
 generated images, and every rate must carry its interval."""
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from scipy.stats import binomtest
+from scipy.stats import binomtest, norm
+from scipy.stats import t as t_dist
 
 from latentforge.data.synth import COLORS, POSITIONS, SHAPES, SIZES, SynthConfig, TEMPLATES, caption_for, generate
 from latentforge.errors import ConfigError, UserError
@@ -20,7 +22,7 @@ from latentforge.evaluate.judge import (NONE, Judge, JudgeConfig, JudgeEnsemble,
                                         build_judge, chance, down_up, features, load_judge, load_labelled, save_judge,
                                         shape_by_size, shape_ceiling, validate_judge, verdicts, verdicts_of_tensor)
 from latentforge.evaluate.nonshapes import NONSHAPE_KINDS, nonshape_set
-from latentforge.evaluate.stats import wilson_interval
+from latentforge.evaluate.stats import Z_95, clustered_interval, student_t_quantile, wilson_interval
 
 FIXTURE = Path(__file__).parent / "fixtures" / "judge"
 
@@ -34,6 +36,55 @@ def test_wilson_interval_matches_scipy_and_a_published_value():
         assert wilson_interval(k, n) == pytest.approx((ref.low, ref.high), abs=1e-12)
     with pytest.raises(ValueError):
         wilson_interval(5, 4)
+
+
+def test_student_t_quantile_matches_scipy():
+    for df in range(1, 61):
+        for prob in (0.95, 0.975):
+            z = norm.ppf(prob)
+            assert student_t_quantile(z, df) == pytest.approx(t_dist.ppf(prob, df), abs=4e-3 if df == 3 else 1e-3)
+    assert student_t_quantile(Z_95, 1) == pytest.approx(t_dist.ppf(0.975, 1), rel=1e-12)  # exact at 1 and 2
+    assert student_t_quantile(Z_95, 2) == pytest.approx(t_dist.ppf(0.975, 2), rel=1e-12)
+    with pytest.raises(ValueError):
+        student_t_quantile(Z_95, 0)
+
+
+def test_clustered_interval_by_hand_and_its_limits():
+    # clusters 3/3, 1/3, 2/3, 0/3: p = 0.5, residuals 1.5, -0.5, 0.5, -1.5 -> variance 4/3 * 5 / 144,
+    # n_eff = 0.25 / variance = 5.4; Wilson at n = 5.4 with t(3)'s 97.5% point
+    lo, hi, n_eff = clustered_interval([3, 1, 2, 0], [3, 3, 3, 3])
+    assert n_eff == pytest.approx(5.4)
+    q, n = t_dist.ppf(0.975, 3), 5.4
+    half = q / (1 + q * q / n) * math.sqrt(0.25 / n + q * q / (4 * n * n))
+    assert (lo, hi) == pytest.approx((0.5 - half, 0.5 + half), abs=2e-3)
+    # one image per prompt: exactly Wilson's interval
+    assert clustered_interval([1] * 30 + [0] * 6, [1] * 36) == (*wilson_interval(30, 36), 36.0)
+    # six prompts of six identical images each: six trials, not 36
+    lo, hi, n_eff = clustered_interval([6, 0, 6, 6, 6, 6], [6] * 6)
+    assert n_eff == 6.0 and hi - lo > 2 * (wilson_interval(30, 36)[1] - wilson_interval(30, 36)[0])
+    assert clustered_interval([6] * 6, [6] * 6) == (*wilson_interval(6, 6), 6.0)  # all right: the 6-trial bound
+    # homogeneous clusters (each half right): no between-prompt variance, every image counts
+    assert clustered_interval([3, 3, 3], [6, 6, 6])[2] == 18.0
+    assert clustered_interval([], []) == (0.0, 1.0, 0.0)
+    with pytest.raises(ValueError):
+        clustered_interval([4], [3])
+    with pytest.raises(ValueError):
+        clustered_interval([1, 2], [3])
+
+
+def test_clustered_interval_covers_where_wilson_by_image_does_not():
+    # 6 prompts x 6 images, each prompt's images copies of one draw with probability 0.7 (as the demo's
+    # wordings without size or position are): Wilson over the 36 images covers p far under 95%
+    rng = np.random.default_rng(0)
+    p, covered_wilson, covered_clustered, runs = 0.8, 0, 0, 1000
+    for _ in range(runs):
+        ys = [6 * int(rng.random() < p) if rng.random() < 0.7 else int((rng.random(6) < p).sum()) for _ in range(6)]
+        lo, hi = wilson_interval(sum(ys), 36)
+        covered_wilson += lo <= p <= hi
+        lo, hi, _ = clustered_interval(ys, [6] * 6)
+        covered_clustered += lo <= p <= hi
+    assert covered_wilson / runs < 0.7
+    assert covered_clustered / runs >= 0.95
 
 
 def test_new_wordings_are_no_training_caption(monkeypatch):
@@ -72,6 +123,27 @@ def test_score_counts_only_what_each_prompt_names():
     assert (s["size"]["right"], s["size"]["num"]) == (1, 2)  # the plain prompt names no size
     assert (s["position"]["right"], s["position"]["num"]) == (2, 2)
     assert (s["size"]["lo"], s["size"]["hi"]) == wilson_interval(1, 2)
+    assert s["both"]["prompts"] == 3 and s["same_layout"] == {"prompts": 0, "same": 0}
+
+
+def test_score_counts_the_images_of_one_prompt_as_one_cluster():
+    # two prompts, three images each: one drawn right three times at one place, one wrong three times
+    # at one place; a third prompt's three images right but at two places
+    prompts = [Prompt("red star", "plain", "red", "star", None, None)] * 3 + \
+              [Prompt("blue cross", "plain", "blue", "cross", None, None)] * 3 + \
+              [Prompt("green circle", "plain", "green", "circle", None, None)] * 3
+    found = {"color": ["red"] * 3 + ["blue"] * 3 + ["green"] * 3,
+             "shape": ["star"] * 3 + [NONE] * 3 + ["circle"] * 3,
+             "size": ["small"] * 3 + ["large"] * 3 + ["small", "small", "large"],
+             "position": ["top"] * 3 + ["left"] * 3 + ["center"] * 3}
+    s = score(prompts, found)
+    both = s["both"]
+    assert (both["right"], both["num"], both["prompts"]) == (6, 9, 3)
+    lo, hi, n_eff = clustered_interval([3, 0, 3], [3, 3, 3])
+    assert (both["lo"], both["hi"], both["n_eff"]) == (lo, hi, n_eff) and n_eff == 3.0
+    assert hi - lo > wilson_interval(6, 9)[1] - wilson_interval(6, 9)[0]
+    assert s["color"]["prompts"] == 3 and s["size"]["num"] == 0  # no prompt names a size
+    assert s["same_layout"] == {"prompts": 3, "same": 2}
 
 
 def test_nonshapes_are_deterministic_and_labelled():

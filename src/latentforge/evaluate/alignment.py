@@ -19,7 +19,7 @@ from latentforge.data.synth import (
 )
 from latentforge.errors import ConfigError
 from latentforge.evaluate.judge import ATTRIBUTES
-from latentforge.evaluate.stats import wilson_interval
+from latentforge.evaluate.stats import clustered_interval, wilson_interval
 
 __all__ = ["NEW_WORDINGS", "WORDINGS", "Prompt", "make_prompts", "check_new_wordings", "score", "rate"]
 
@@ -91,17 +91,44 @@ def check_new_wordings() -> None:
                             raise ConfigError(f"wording {name!r}: {text!r} is a training caption")
 
 
-def rate(right: int, num: int) -> dict[str, float]:
-    """A rate with its 95% Wilson interval."""
-    lo, hi = wilson_interval(right, num)
-    return {"right": right, "num": num, "rate": right / num if num else float("nan"), "lo": lo, "hi": hi}
+def rate(right: int, num: int, clusters: Sequence[tuple[int, int]] | None = None) -> dict[str, float]:
+    """A rate with its 95% interval: Wilson's, or with ``clusters`` ((right, num) of the images of
+    each distinct prompt) the clustered form (:func:`~latentforge.evaluate.stats.clustered_interval`),
+    which counts the images of one prompt as one cluster; ``prompts`` is the number of clusters and
+    ``n_eff`` the effective number of independent images."""
+    if clusters is None:
+        lo, hi = wilson_interval(right, num)
+        k, n_eff = num, float(num)
+    else:
+        if (sum(c[0] for c in clusters), sum(c[1] for c in clusters)) != (right, num):
+            raise ValueError(f"rate: clusters add up to {sum(c[0] for c in clusters)}/{sum(c[1] for c in clusters)}, "
+                             f"not {right}/{num}")
+        lo, hi, n_eff = clustered_interval([c[0] for c in clusters], [c[1] for c in clusters])
+        k = sum(1 for c in clusters if c[1])
+    return {"right": right, "num": num, "rate": right / num if num else float("nan"), "lo": lo, "hi": hi,
+            "prompts": k, "n_eff": n_eff}
 
 
 def score(prompts: Sequence[Prompt], found: dict[str, list[str]]) -> dict[str, dict[str, float]]:
-    """Rates (with intervals) of colour, shape, both, and size / position over the prompts naming them."""
+    """Rates of colour, shape, both, and size / position over the prompts naming them, each with its
+    95% interval by prompt: the images of one prompt text are one cluster (with a fixed prompt the
+    noise can move little, and the images are then near-copies, not independent trials).
+    ``same_layout``: of the prompts with several images that leave size or position open, how many
+    had all their images drawn at one size and place (by the judge), i.e. chosen by the words."""
     ok = {a: [getattr(p, a) is not None and found[a][i] == getattr(p, a) for i, p in enumerate(prompts)]
           for a in ATTRIBUTES}
+    ok["both"] = [c and s for c, s in zip(ok["color"], ok["shape"])]
     named = {a: [getattr(p, a) is not None for p in prompts] for a in ATTRIBUTES}
-    out = {a: rate(sum(ok[a]), sum(named[a])) for a in ATTRIBUTES}
-    out["both"] = rate(sum(c and s for c, s in zip(ok["color"], ok["shape"])), len(prompts))
+    named["both"] = [True] * len(prompts)
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(p.text, []).append(i)
+    out: dict[str, dict[str, float]] = {}
+    for a in (*ATTRIBUTES, "both"):
+        clusters = [(sum(ok[a][i] for i in idx), sum(named[a][i] for i in idx)) for idx in groups.values()]
+        out[a] = rate(sum(ok[a]), sum(named[a]), clusters)
+    open_ = [idx for idx in groups.values()
+             if len(idx) > 1 and (prompts[idx[0]].size is None or prompts[idx[0]].position is None)]
+    out["same_layout"] = {"prompts": len(open_), "same": sum(
+        len({(found["size"][i], found["position"][i]) for i in idx}) == 1 for idx in open_)}
     return out

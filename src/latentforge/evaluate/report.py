@@ -35,10 +35,13 @@ def _pct(x: float) -> str:
 
 
 def _ci(r: dict[str, float]) -> str:
-    """"54% [44-64] (52/96)": the rate, its 95% Wilson interval and the counts."""
+    """"54% [44-64] (52/96)": the rate, its 95% interval and the counts; "(27/36, 6 prompts)" when
+    the images come from fewer distinct prompts (the interval is then the clustered one)."""
     if not r["num"]:
         return "-"
-    return f"{100 * r['rate']:.0f}% [{100 * r['lo']:.0f}-{100 * r['hi']:.0f}] ({r['right']}/{r['num']})"
+    k = r.get("prompts", r["num"])
+    prompts = f", {k} prompts" if k < r["num"] else ""
+    return f"{100 * r['rate']:.0f}% [{100 * r['lo']:.0f}-{100 * r['hi']:.0f}] ({r['right']}/{r['num']}{prompts})"
 
 
 def _score_row(label: str, sc: dict[str, Any]) -> str:
@@ -61,6 +64,12 @@ def _alignment(ev: dict[str, Any]) -> list[str]:
             lines.append(_score_row(f"{split} | **all new wordings**", per["new_wordings"]))
     lines.append(f"| chance | | {_pct(ch['color'])} | {_pct(ch['shape'])} | {_pct(ch['both'])} | {_pct(ch['size'])} | "
                  f"{_pct(ch['position'])} |")
+    layout = [f"{split} {wording} {sc['same_layout']['same']}/{sc['same_layout']['prompts']}"
+              for split, per in ev["splits"].items() for wording, sc in per["wordings"].items()
+              if sc.get("same_layout", {}).get("prompts")]
+    if layout:
+        lines += ["", "Prompts that leave size or position open, drawn at one size and place in all their images "
+                  "(the words chose the layout, not the noise): " + ", ".join(layout) + "."]
     return lines
 
 
@@ -184,7 +193,9 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         "names the colour, shape, size and position of every image ('none' when it sees no shape of the set, or is "
         "not confident). Held-out combinations were never seen in training (each colour and each shape was, with "
         "other partners). Wordings: `caption` uses the training caption templates; the others no training caption "
-        "uses (see docs/demo.md). Every figure: rate [95% Wilson interval] (right/num).",
+        "uses (see docs/demo.md). Every figure: rate [95% interval] (right/num). The interval is by prompt: the "
+        "images of one prompt text count as one cluster (they can be near-copies), Wilson's interval at the "
+        "effective number of images (docs/demo.md); where the images come from fewer prompts the count says so.",
         "",
         *_alignment(ev),
         "",
