@@ -15,6 +15,8 @@ import json
 import pytest
 from golden import figures, run
 
+from latentforge.evaluate import alignment
+
 # Calibration: python tests/golden.py OUT --seeds ... --broken ... (one torch thread, on this
 # machine); "late loss" is the mean logged training loss over the last quarter of the steps, the
 # Fréchet distances compare 48 held-out samples with 48 real held-out renders.
@@ -119,6 +121,11 @@ def test_rescore_gives_the_demos_figures_at_its_own_scale_and_keeps_the_judge(go
     kept = (out / "rescore" / "guidance-2" / "evaluation.json").stat().st_mtime_ns
     assert main(["demo", "--quiet", "--out", str(out), "--rescore", "2"]) in (None, 0)
     assert (out / "rescore" / "guidance-2" / "evaluation.json").stat().st_mtime_ns == kept
+    # ... unless it was scored by an older version of the figures (here: no intervals by prompt yet)
+    cached = out / "rescore" / "guidance-2" / "evaluation.json"
+    cached.write_text(json.dumps({k: v for k, v in json.loads(cached.read_text()).items() if k != "scoring"}))
+    assert main(["demo", "--quiet", "--out", str(out), "--rescore", "2"]) in (None, 0)
+    assert json.loads(cached.read_text())["scoring"] == alignment.SCORING
     assert main(["demo", "--quiet", "--out", str(out), "--rescore", "2", "train.optim.lr=1"]) == 2
     # another sampler than the export's: the pipeline gets it for the run's noise schedule
     assert main(["demo", "--quiet", "--out", str(out), "--rescore", "4", "demo.sampler=dpm++"]) in (None, 0)

@@ -26,7 +26,7 @@ from latentforge import checkpoint as ckpt
 from latentforge.config import save_config
 from latentforge.data.loader import StreamConfig
 from latentforge.errors import Problems, UserError
-from latentforge.evaluate.alignment import WORDINGS
+from latentforge.evaluate.alignment import SCORING, WORDINGS
 from latentforge.evaluate.judge import JudgeConfig
 from latentforge.models.text import MINILM_PACKAGE, builtin_text_encoder  # noqa: F401  (re-exported)
 
@@ -464,12 +464,12 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
         cached = gdir / "evaluation.json"
         saved = json.loads(cached.read_text()) if cached.is_file() else None
         t0 = time.perf_counter()
-        if saved is not None and saved.get("demo") == key:
+        if saved is not None and saved.get("demo") == key and saved.get("scoring") == SCORING:
             evaluation, seconds = saved["evaluation"], saved["seconds"]
         else:
             evaluation = _evaluate(cfg, out, judge, grid_dir=gdir)
             seconds = round(time.perf_counter() - t0, 1)
-            atomic_write_bytes(cached, json.dumps({"demo": key, "evaluation": evaluation, "seconds": seconds},
+            atomic_write_bytes(cached, json.dumps({"demo": key, "scoring": SCORING, "evaluation": evaluation, "seconds": seconds},
                                                   indent=1, default=str).encode())
         rows.append(rescore_row(float(g), evaluation, seconds))
         if progress:

@@ -21,7 +21,11 @@ from latentforge.errors import ConfigError
 from latentforge.evaluate.judge import ATTRIBUTES
 from latentforge.evaluate.stats import clustered_interval, wilson_interval
 
-__all__ = ["NEW_WORDINGS", "WORDINGS", "Prompt", "make_prompts", "check_new_wordings", "score", "rate"]
+__all__ = ["NEW_WORDINGS", "WORDINGS", "SCORING", "Prompt", "make_prompts", "check_new_wordings", "score", "rate"]
+
+# The version of what :func:`score` reports; a saved evaluation of another version is scored again
+# (2: intervals by prompt, and ``same_layout``).
+SCORING = 2
 
 # Wordings no training caption uses: {color} {shape} always; {size} and {where} where named.
 NEW_WORDINGS: dict[str, str] = {
