@@ -469,8 +469,8 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
         else:
             evaluation = _evaluate(cfg, out, judge, grid_dir=gdir)
             seconds = round(time.perf_counter() - t0, 1)
-            atomic_write_bytes(cached, json.dumps({"demo": key, "scoring": SCORING, "evaluation": evaluation, "seconds": seconds},
-                                                  indent=1, default=str).encode())
+            saved = {"demo": key, "scoring": SCORING, "evaluation": evaluation, "seconds": seconds}
+            atomic_write_bytes(cached, json.dumps(saved, indent=1, default=str).encode())
         rows.append(rescore_row(float(g), evaluation, seconds))
         if progress:
             r = rows[-1]
