@@ -19,7 +19,7 @@ from latentforge.data.synth import (
 )
 from latentforge.errors import ConfigError
 from latentforge.evaluate.judge import ATTRIBUTES
-from latentforge.evaluate.stats import clustered_interval, wilson_interval
+from latentforge.evaluate.stats import clustered_interval
 
 __all__ = ["NEW_WORDINGS", "WORDINGS", "SCORING", "Prompt", "make_prompts", "check_new_wordings", "score", "rate"]
 
@@ -95,22 +95,15 @@ def check_new_wordings() -> None:
                             raise ConfigError(f"wording {name!r}: {text!r} is a training caption")
 
 
-def rate(right: int, num: int, clusters: Sequence[tuple[int, int]] | None = None) -> dict[str, float]:
-    """A rate with its 95% interval: Wilson's, or with ``clusters`` ((right, num) of the images of
-    each distinct prompt) the clustered form (:func:`~latentforge.evaluate.stats.clustered_interval`),
-    which counts the images of one prompt as one cluster; ``prompts`` is the number of clusters and
-    ``n_eff`` the effective number of independent images."""
-    if clusters is None:
-        lo, hi = wilson_interval(right, num)
-        k, n_eff = num, float(num)
-    else:
-        if (sum(c[0] for c in clusters), sum(c[1] for c in clusters)) != (right, num):
-            raise ValueError(f"rate: clusters add up to {sum(c[0] for c in clusters)}/{sum(c[1] for c in clusters)}, "
-                             f"not {right}/{num}")
-        lo, hi, n_eff = clustered_interval([c[0] for c in clusters], [c[1] for c in clusters])
-        k = sum(1 for c in clusters if c[1])
+def rate(clusters: Sequence[tuple[int, int]]) -> dict[str, float]:
+    """A rate with its 95% interval by prompt: ``clusters`` holds (right, num) of the images of each
+    distinct prompt, counted as one cluster (:func:`~latentforge.evaluate.stats.clustered_interval`;
+    one image a prompt gives Wilson's interval). ``prompts``: the prompts with at least one image;
+    ``n_eff``: the effective number of independent images."""
+    right, num = sum(c[0] for c in clusters), sum(c[1] for c in clusters)
+    lo, hi, n_eff = clustered_interval([c[0] for c in clusters], [c[1] for c in clusters])
     return {"right": right, "num": num, "rate": right / num if num else float("nan"), "lo": lo, "hi": hi,
-            "prompts": k, "n_eff": n_eff}
+            "prompts": sum(1 for c in clusters if c[1]), "n_eff": n_eff}
 
 
 def score(prompts: Sequence[Prompt], found: dict[str, list[str]]) -> dict[str, dict[str, float]]:
@@ -130,7 +123,7 @@ def score(prompts: Sequence[Prompt], found: dict[str, list[str]]) -> dict[str, d
     out: dict[str, dict[str, float]] = {}
     for a in (*ATTRIBUTES, "both"):
         clusters = [(sum(ok[a][i] for i in idx), sum(named[a][i] for i in idx)) for idx in groups.values()]
-        out[a] = rate(sum(ok[a]), sum(named[a]), clusters)
+        out[a] = rate(clusters)
     open_ = [idx for idx in groups.values()
              if len(idx) > 1 and (prompts[idx[0]].size is None or prompts[idx[0]].position is None)]
     out["same_layout"] = {"prompts": len(open_), "same": sum(
