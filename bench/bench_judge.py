@@ -10,7 +10,9 @@ blurred, down/up-sampled, through ``--vae`` if given, and fresh non-shapes per k
 its agreement with the fixture per attribute: with the first labels for the images of the weak
 model (000-065), of the stronger one (066-125) and for all; for all with the second labeller's
 labels, the third's and the labels all three gave; the labellers' agreement with each other;
-then every disagreement with the first labels. ``--flip-table``: also the shape verdicts at
+then every disagreement with the first labels; then, per set of tests/fixtures/judge-samples/ (images
+of the demo's models labelled by two blind labellers), the agreement with each and with both, and the
+images with both colour and shape right by the judge and by the labellers. ``--flip-table``: also the shape verdicts at
 floors 0.5-0.9 with one view, and with a horizontally flipped second view (all six shapes are
 symmetric about the vertical axis) whose probabilities are averaged (``mean``) or whose lower
 probability of the chosen class counts (``min``): per row the real renders' shape accuracy per
@@ -35,6 +37,7 @@ from latentforge.evaluate.judge import ATTRIBUTES, agreed_labels, agreement, bui
 from latentforge.recipe import load_recipe
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "judge"
+SAMPLES = FIXTURE.with_name("judge-samples")
 
 
 def main() -> None:
@@ -95,9 +98,44 @@ def main() -> None:
         for a in ATTRIBUTES:
             if r[a] is not None and found[a][i] != r[a]:
                 print(f"    {r['file']} {a}: judge {found[a][i]!r}, by eye {r[a]!r}")
+    samples(judge, size, cfg.floor)
     if args.flip_table:
         fixture = [Image.open(FIXTURE / r["file"]) for r in rows]
         flip_table(judge, work / "synth-check", size, cfg, autoencode, fixture, [r["shape"] for r in rows])
+
+
+def samples(judge, size: int, floor: float) -> None:
+    """The judge against the two blind labellers of tests/fixtures/judge-samples/ (images of the demo's
+    models), per set: agreement per attribute, and both colour and shape right (as the demo scores the
+    prompt's pair) by the judge, by each labeller and by both, per split and wording."""
+    from latentforge.data.synth import COLORS, SHAPES
+
+    rows = {k: [json.loads(line) for line in (SAMPLES / f).read_text().splitlines() if line]
+            for k, f in (("prov", "provenance.jsonl"), ("1", "labels-1.jsonl"), ("2", "labels-2.jsonl"))}
+    found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in rows["prov"]], size, floor)
+    for name in dict.fromkeys(r["set"] for r in rows["prov"]):
+        idx = [i for i, r in enumerate(rows["prov"]) if r["set"] == name]
+        pick = lambda labels: [labels[i] for i in idx]
+        sets = {"labeller 1": pick(rows["1"]), "labeller 2": pick(rows["2"])}
+        mine = {a: [found[a][i] for i in idx] for a in ATTRIBUTES}
+        for who, labels in sets.items():
+            c = agreement(mine, {a: [r[a] for r in labels] for a in ATTRIBUTES})
+            print(f"  samples {name} ({len(idx)}), {who} ({labels[0]['labeller']}): "
+                  + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
+        c = agreement(mine, agreed_labels(*sets.values()))
+        print(f"  samples {name}, the labels both gave: " + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
+        groups: dict[str, list[tuple[bool, bool, bool]]] = {}
+        for i in idx:
+            words = rows["prov"][i]["prompt"].lower().replace(",", " ").replace(":", " ").split()
+            want = (next(c for c in COLORS if c in words), next(s for s in SHAPES if s in words))
+            right = [(v["color"], v["shape"]) == want for v in
+                     ({a: found[a][i] for a in ATTRIBUTES}, rows["1"][i], rows["2"][i])]
+            kind = "caption" if rows["prov"][i]["wording"] == "caption" else "new wordings"
+            for key in (f"{rows['prov'][i]['split']}, {kind}", "all"):
+                groups.setdefault(key, []).append(tuple(right))
+        for key, v in sorted(groups.items()):
+            print(f"    both right, {key} ({len(v)}): judge {sum(r[0] for r in v)}, labeller 1 {sum(r[1] for r in v)}, "
+                  f"labeller 2 {sum(r[2] for r in v)}, both labellers {sum(r[1] and r[2] for r in v)}")
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ from latentforge.evaluate.nonshapes import NONSHAPE_KINDS, nonshape_set
 from latentforge.evaluate.stats import Z_95, clustered_interval, student_t_quantile, wilson_interval
 
 FIXTURE = Path(__file__).parent / "fixtures" / "judge"
+SAMPLES = Path(__file__).parent / "fixtures" / "judge-samples"
 
 
 def test_wilson_interval_matches_scipy_and_a_published_value():
@@ -331,15 +332,22 @@ def test_the_fixtures_three_label_sets_name_the_same_images_with_the_datasets_cl
 
 
 @pytest.fixture(scope="module")
-def demo_judge_on_fixture(tmp_path_factory):
-    """The judge exactly as the demo trains it (recipe tiny-cpu: its synth data and demo.judge), its
-    verdicts on tests/fixtures/judge/ (generated images labelled by looking at each) and the labels."""
+def demo_judge(tmp_path_factory):
+    """The judge exactly as the demo trains it (recipe tiny-cpu: its synth data and demo.judge) and the recipe."""
     from latentforge.recipe import load_recipe
 
     recipe = load_recipe("tiny-cpu")
     synth = tmp_path_factory.mktemp("demo-judge") / "synth"
     generate(synth, recipe.synth, progress=False)
     judge, _ = build_judge([synth], recipe.ingest.image.resolution, recipe.demo.judge)
+    return judge, recipe
+
+
+@pytest.fixture(scope="module")
+def demo_judge_on_fixture(demo_judge):
+    """The demo's judge, its verdicts on tests/fixtures/judge/ (generated images labelled by looking at
+    each) and the labels."""
+    judge, recipe = demo_judge
     rows = _fixture_rows("labels.jsonl")
     assert len(rows) >= 60
     images = [Image.open(FIXTURE / r["file"]) for r in rows]
@@ -367,6 +375,63 @@ def test_judge_at_the_demo_settings_agrees_with_labels_assigned_by_eye(demo_judg
 def test_judge_at_the_demo_settings_agrees_with_shapes_assigned_by_eye(demo_judge_on_fixture):
     counts, wrong = demo_judge_on_fixture
     assert counts["shape"]["right"] >= 0.95 * counts["shape"]["num"], (counts, wrong)
+
+
+def _sample_rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (SAMPLES / name).read_text().splitlines() if line]
+
+
+def _asked(prompt: str) -> tuple[str, str]:
+    """The colour and the shape a prompt names (each exactly once)."""
+    words = prompt.lower().replace(",", " ").replace(":", " ").split()
+    colors, shapes = [c for c in COLORS if c in words], [s for s in SHAPES if s in words]
+    assert len(colors) == 1 and len(shapes) == 1, prompt
+    return colors[0], shapes[0]
+
+
+def test_the_sample_fixture_holds_two_blind_label_sets_and_where_each_image_comes_from():
+    """tests/fixtures/judge-samples/: images of demo models of the shipped recipe and of the wide
+    U-Net, drawn at random from their evaluation grids, each labelled by two labellers blind to the
+    prompt, to each other and to every verdict (README.md there): every image once, in order, in
+    the provenance and in both label sets, each label a class of the dataset, "none" or null."""
+    files = sorted(p.name for p in SAMPLES.glob("*.png"))
+    prov, first, second = (_sample_rows(f) for f in ("provenance.jsonl", "labels-1.jsonl", "labels-2.jsonl"))
+    assert len(files) >= 192 and [r["file"] for r in prov] == files
+    assert [r["file"] for r in first] == files and [r["file"] for r in second] == files
+    assert all(a["labeller"] != b["labeller"] for a, b in zip(first, second))
+    allowed = {"color": {*COLORS, NONE}, "shape": {*SHAPES, NONE}, "size": set(SIZES), "position": set(POSITIONS)}
+    assert all(r[a] is None or r[a] in allowed[a] for rows in (first, second) for r in rows for a in allowed)
+    assert {r["split"] for r in prov} == {"heldout", "seen"} and {r["wording"] for r in prov} >= {"caption", "plain"}
+    for r in prov:
+        _asked(r["prompt"])
+        assert Image.open(SAMPLES / r["file"]).size == (32, 32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attribute", ["color", "size", "position"])
+def test_judge_agrees_with_both_labellers_on_the_demo_models_images(demo_judge, attribute):
+    judge, recipe = demo_judge
+    rows = _sample_rows("labels-1.jsonl")
+    found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in rows], recipe.ingest.image.resolution,
+                     recipe.demo.judge.floor)
+    counts = agreement(found, agreed_labels(rows, _sample_rows("labels-2.jsonl")))
+    assert counts[attribute]["right"] >= 0.95 * counts[attribute]["num"], (attribute, counts)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "measured (tests/fixtures/judge-samples/README.md): the judge agrees on the shape with the labels both "
+    "labellers gave on 239 of 269 images (89%): 151 of 177 of the shipped recipe's three demo models, where it names "
+    "a diamond or a cross for lumpy small diamonds, teardrops and four-pointed concave stars that both call none (and "
+    "calls four mid-sized discs none), so it scores 181 of their 192 images both right where the labellers score "
+    "154-163; 88 of 92 of the wide U-Net's. Strict: remove this mark once the judge passes."))
+def test_judge_agrees_with_both_labellers_on_the_shapes_of_the_demo_models_images(demo_judge):
+    judge, recipe = demo_judge
+    rows = _sample_rows("labels-1.jsonl")
+    found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in rows], recipe.ingest.image.resolution,
+                     recipe.demo.judge.floor)
+    counts = agreement(found, agreed_labels(rows, _sample_rows("labels-2.jsonl")))
+    assert counts["shape"]["right"] >= 0.95 * counts["shape"]["num"], counts
 
 
 def test_the_judge_does_not_depend_on_the_callers_thread_count(tmp_path):
