@@ -423,7 +423,7 @@ def test_judge_agrees_with_both_labellers_on_the_demo_models_images(demo_judge, 
     "measured (tests/fixtures/judge-samples/README.md): the judge agrees on the shape with the labels both "
     "labellers gave on 239 of 269 images (89%): 151 of 177 of the shipped recipe's three demo models, where it names "
     "a diamond or a cross for lumpy small diamonds, teardrops and four-pointed concave stars that both call none (and "
-    "calls four mid-sized discs none), so it scores 181 of their 192 images both right where the labellers score "
+    "calls five mid-sized discs none), so it scores 181 of their 192 images both right where the labellers score "
     "154-163; 88 of 92 of the wide U-Net's. Strict: remove this mark once the judge passes."))
 def test_judge_agrees_with_both_labellers_on_the_shapes_of_the_demo_models_images(demo_judge):
     judge, recipe = demo_judge
