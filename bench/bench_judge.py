@@ -33,7 +33,8 @@ import torch
 from PIL import Image
 
 from latentforge.data.synth import generate
-from latentforge.evaluate.judge import ATTRIBUTES, agreed_labels, agreement, build_judge, validate_judge, verdicts
+from latentforge.evaluate.judge import (ATTRIBUTES, agreed_labels, agreement, build_judge, labelled_figures,
+                                        read_labelled_samples, validate_judge, verdicts)
 from latentforge.recipe import load_recipe
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "judge"
@@ -105,37 +106,25 @@ def main() -> None:
 
 
 def samples(judge, size: int, floor: float) -> None:
-    """The judge against the two blind labellers of tests/fixtures/judge-samples/ (images of the demo's
-    models), per set: agreement per attribute, and both colour and shape right (as the demo scores the
-    prompt's pair) by the judge, by each labeller and by both, per split and wording."""
-    from latentforge.data.synth import COLORS, SHAPES
-
-    rows = {k: [json.loads(line) for line in (SAMPLES / f).read_text().splitlines() if line]
-            for k, f in (("prov", "provenance.jsonl"), ("1", "labels-1.jsonl"), ("2", "labels-2.jsonl"))}
-    found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in rows["prov"]], size, floor)
-    for name in dict.fromkeys(r["set"] for r in rows["prov"]):
-        idx = [i for i, r in enumerate(rows["prov"]) if r["set"] == name]
-        pick = lambda labels: [labels[i] for i in idx]
-        sets = {"labeller 1": pick(rows["1"]), "labeller 2": pick(rows["2"])}
-        mine = {a: [found[a][i] for i in idx] for a in ATTRIBUTES}
-        for who, labels in sets.items():
-            c = agreement(mine, {a: [r[a] for r in labels] for a in ATTRIBUTES})
-            print(f"  samples {name} ({len(idx)}), {who} ({labels[0]['labeller']}): "
+    """The judge against the blind labellers of tests/fixtures/judge-samples/ (images of the demo's
+    models), per set: agreement per attribute with each labeller and with the labels all gave, and
+    both colour and shape right (as the demo scores the prompt's pair) by the judge, by each labeller
+    and by all, per split and wording."""
+    provenance, label_sets = read_labelled_samples(SAMPLES)
+    found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in provenance], size, floor)
+    figures = labelled_figures(found, provenance, label_sets)
+    for name, f in figures.items():
+        idx = [i for i, r in enumerate(provenance) if r.get("set", "all") == name]
+        for k, rows in enumerate(label_sets, 1):
+            c = agreement({a: [found[a][i] for i in idx] for a in ATTRIBUTES}, {a: [rows[i][a] for i in idx] for a in ATTRIBUTES})
+            print(f"  samples {name} ({f['num']}), labeller {k} ({rows[idx[0]].get('labeller', '?')}): "
                   + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
-        c = agreement(mine, agreed_labels(*sets.values()))
-        print(f"  samples {name}, the labels both gave: " + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
-        groups: dict[str, list[tuple[bool, bool, bool]]] = {}
-        for i in idx:
-            words = rows["prov"][i]["prompt"].lower().replace(",", " ").replace(":", " ").split()
-            want = (next(c for c in COLORS if c in words), next(s for s in SHAPES if s in words))
-            right = [(v["color"], v["shape"]) == want for v in
-                     ({a: found[a][i] for a in ATTRIBUTES}, rows["1"][i], rows["2"][i])]
-            kind = "caption" if rows["prov"][i]["wording"] == "caption" else "new wordings"
-            for key in (f"{rows['prov'][i]['split']}, {kind}", "all"):
-                groups.setdefault(key, []).append(tuple(right))
-        for key, v in sorted(groups.items()):
-            print(f"    both right, {key} ({len(v)}): judge {sum(r[0] for r in v)}, labeller 1 {sum(r[1] for r in v)}, "
-                  f"labeller 2 {sum(r[2] for r in v)}, both labellers {sum(r[1] and r[2] for r in v)}")
+        print(f"  samples {name}, the labels all gave: "
+              + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in f["agreement"].items()))
+        for key, g in sorted(f["both_right"].items()):
+            print(f"    both right, {key} ({g['num']}): judge {g['judge']}, "
+                  + ", ".join(f"labeller {k} {n}" for k, n in enumerate(g["labellers"], 1))
+                  + f", all labellers {g['all_labellers']}")
 
 
 @torch.no_grad()

@@ -74,6 +74,11 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     assert sum(c["num"] for sizes in by.values() for c in sizes.values()) == validation["real"]["vae"]["num"]
     assert "Shapes the judge names in the VAE's reconstructions, per shape and size:" in report
     assert "bounds the shape (and so both-right) figure of any denoiser on this VAE" in report
+    # the judge against the images of demo models labelled by eye (demo.labelled: tests/fixtures/judge-samples)
+    labelled = r["evaluation"]["judge_labelled"]
+    assert list(labelled["sets"]) == ["recipe-1", "recipe-2", "wide"] and labelled["labellers"] == 2
+    assert all(f["both_right"]["all"]["num"] == 96 for f in labelled["sets"].values())
+    assert "Against generated images of demo models labelled by eye" in report and "| wide | 96 |" in report
     assert (out / "run" / "report" / "val_loss.png").is_file() and "## Validation loss" in (
         out / "run" / "report" / "quality.md").read_text()
     heldout = r["evaluation"]["splits"]["heldout"]

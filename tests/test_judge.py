@@ -19,8 +19,9 @@ from latentforge.errors import ConfigError, UserError
 from latentforge.evaluate import alignment
 from latentforge.evaluate.alignment import Prompt, check_new_wordings, make_prompts, score
 from latentforge.evaluate.judge import (NONE, Judge, JudgeConfig, JudgeEnsemble, agreed_labels, agreement, blur,
-                                        build_judge, chance, down_up, features, load_judge, load_labelled, save_judge,
-                                        shape_by_size, shape_ceiling, validate_judge, verdicts, verdicts_of_tensor)
+                                        build_judge, chance, down_up, features, labelled_figures, load_judge,
+                                        load_labelled, read_labelled_samples, save_judge, shape_by_size, shape_ceiling,
+                                        validate_judge, verdicts, verdicts_of_tensor)
 from latentforge.evaluate.nonshapes import NONSHAPE_KINDS, nonshape_set
 from latentforge.evaluate.stats import Z_95, clustered_interval, student_t_quantile, wilson_interval
 
@@ -405,6 +406,50 @@ def test_the_sample_fixture_holds_two_blind_label_sets_and_where_each_image_come
     for r in prov:
         _asked(r["prompt"])
         assert Image.open(SAMPLES / r["file"]).size == (32, 32)
+
+
+def test_labelled_figures_count_agreement_and_both_right_per_set_by_hand(tmp_path):
+    """Three images of two sets, two labellers: the agreement counts only labels both gave alike, and
+    both-right compares the prompt's colour and shape with the judge's and with each labeller's."""
+    prov = [{"file": "a.png", "set": "s", "split": "heldout", "wording": "caption", "prompt": "a small red star on the left"},
+            {"file": "b.png", "set": "s", "split": "seen", "wording": "plain", "prompt": "blue circle"},
+            {"file": "c.png", "set": "t", "split": "heldout", "wording": "draw", "prompt": "draw a green cross at the top"}]
+    lab = lambda f, c, s: {"file": f, "color": c, "shape": s, "size": None, "position": "left"}
+    first = [lab("a.png", "red", "star"), lab("b.png", "blue", "none"), lab("c.png", "green", "cross")]
+    second = [lab("a.png", "red", "star"), lab("b.png", "blue", "circle"), lab("c.png", "green", "none")]
+    found = {"color": ["red", "blue", "green"], "shape": ["star", "circle", "cross"], "size": ["small"] * 3,
+             "position": ["left", "left", "top"]}
+    f = labelled_figures(found, prov, [first, second])
+    assert list(f) == ["s", "t"] and f["s"]["num"] == 2 and f["t"]["num"] == 1
+    assert f["s"]["agreement"]["shape"] == {"right": 1, "num": 1}  # b.png: the labellers differ, not counted
+    assert f["s"]["agreement"]["size"] == {"right": 0, "num": 0} and f["t"]["agreement"]["position"] == {"right": 0, "num": 1}
+    assert f["s"]["both_right"]["all"] == {"num": 2, "judge": 2, "labellers": [1, 2], "all_labellers": 1}
+    assert f["s"]["both_right"]["seen, new wordings"] == {"num": 1, "judge": 1, "labellers": [0, 1], "all_labellers": 0}
+    assert f["t"]["both_right"]["heldout, new wordings"] == {"num": 1, "judge": 1, "labellers": [1, 0], "all_labellers": 0}
+    # the folder form: provenance.jsonl and labels-N.jsonl in the same order, else one line that says so
+    (tmp_path / "provenance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prov))
+    (tmp_path / "labels-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    (tmp_path / "labels-2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in second[::-1]))
+    with pytest.raises(UserError, match="the label files must list the images of provenance.jsonl in the same order"):
+        read_labelled_samples(tmp_path)
+    (tmp_path / "labels-2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in second))
+    assert read_labelled_samples(tmp_path) == (prov, [first, second])
+    with pytest.raises(UserError, match="no labelled images here"):
+        read_labelled_samples(tmp_path / "nothing")
+
+
+def test_the_demo_says_when_its_labelled_images_are_not_there(tmp_path):
+    """demo.labelled is a path from the working directory: run from elsewhere, the report says the judge
+    was not checked against the labelled images instead of failing; empty: nothing is said."""
+    from latentforge.demo import _labelled
+    from latentforge.evaluate.report import _labelled as report_lines
+    from latentforge.recipe import load_recipe
+
+    recipe = load_recipe("tiny-cpu", [f"demo.labelled={tmp_path / 'elsewhere'}"])
+    lab = _labelled(recipe, judge=None)
+    assert lab == {"folder": str(tmp_path / "elsewhere"), "missing": True}
+    assert "not found from the working directory" in "\n".join(report_lines(lab))
+    assert _labelled(load_recipe("tiny-cpu", ["demo.labelled="]), judge=None) is None and report_lines(None) == []
 
 
 @pytest.mark.slow

@@ -54,6 +54,10 @@ class DemoConfig:
                 "(train.eval.every_steps): the quality curve of report.md; 0 = no curve"})
     seed: int = field(default=1234, metadata={"help": "seed of the evaluation prompts and noise"})
     judge: JudgeConfig = field(default_factory=JudgeConfig, metadata={"help": "the judge classifier"})
+    labelled: str = field(default="", metadata={
+        "help": "a folder of generated images labelled by eye (provenance.jsonl and labels-1.jsonl, ...: "
+                "tests/fixtures/judge-samples/), against which the report checks the judge; a relative path is "
+                "from the working directory; empty = none"})
 
     def validate(self) -> None:
         problems = Problems()
@@ -172,6 +176,7 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     st.start("evaluate", "sample seen and held-out prompts with the exported pipeline, score them with the judge")
     evaluation = _evaluate(recipe, out, judge)
     evaluation["judge"] = judge_report
+    evaluation["judge_labelled"] = _labelled(recipe, judge)
     st.done()
 
     st.start("report", "write the report")
@@ -484,6 +489,25 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
     (out / RESCORE_DIR / "results.json").write_text(json.dumps(result, indent=1, default=str))
     (out / RESCORE_DIR / "rescore.md").write_text(rescore_table(result))
     return result
+
+
+def _labelled(recipe: Any, judge: Any) -> dict[str, Any] | None:
+    """The judge against ``demo.labelled`` (images of demo models labelled by eye), at the settings
+    that score the demo; ``None`` when none is set, ``{"folder", "missing": True}`` when it is not
+    there (the demo run from outside the repository)."""
+    from PIL import Image
+
+    from latentforge.evaluate.judge import labelled_figures, read_labelled_samples, verdicts
+
+    if not recipe.demo.labelled:
+        return None
+    folder = Path(recipe.demo.labelled)
+    if not folder.is_dir():
+        return {"folder": str(folder), "missing": True}
+    provenance, label_sets = read_labelled_samples(folder)
+    images = [Image.open(folder / r["file"]) for r in provenance]
+    found = verdicts(judge, images, recipe.ingest.image.resolution, recipe.demo.judge.floor)
+    return {"folder": str(folder), "labellers": len(label_sets), "sets": labelled_figures(found, provenance, label_sets)}
 
 
 def _settings_tag(cfg: Any) -> str:

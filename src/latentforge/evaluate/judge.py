@@ -385,6 +385,49 @@ def agreed_labels(*label_sets: Sequence[dict]) -> dict[str, list[str | None]]:
                 for image in zip(*label_sets)] for a in ATTRIBUTES}
 
 
+def read_labelled_samples(folder: str | Path) -> tuple[list[dict], list[list[dict]]]:
+    """A folder of generated images labelled by eye (as ``tests/fixtures/judge-samples/``):
+    ``provenance.jsonl`` (``{"file", "set", "split", "wording", "prompt", ...}``, one line per image) and
+    ``labels-1.jsonl``, ``labels-2.jsonl``, ... (one labeller a file, the same images in the same order)."""
+    d = Path(folder)
+    read = lambda f: [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    files = sorted(d.glob("labels-*.jsonl"))
+    if not (d / "provenance.jsonl").is_file() or not files:
+        raise UserError(f"{d}: no labelled images here (provenance.jsonl and labels-1.jsonl, ... expected)")
+    provenance, label_sets = read(d / "provenance.jsonl"), [read(f) for f in files]
+    if any([r["file"] for r in rows] != [r["file"] for r in provenance] for rows in label_sets):
+        raise UserError(f"{d}: the label files must list the images of provenance.jsonl in the same order")
+    return provenance, label_sets
+
+
+def labelled_figures(found: dict[str, list[str]], provenance: Sequence[dict],
+                     label_sets: Sequence[Sequence[dict]]) -> dict[str, dict[str, Any]]:
+    """Per set of ``provenance`` (its ``set`` field): the judge's verdicts ``found`` against the labels
+    every labeller gave alike (per attribute, ``agreement``), and how many images have both the colour
+    and the shape that their prompt names right by the judge, by each labeller and by all of them
+    (the demo's both-right), also per split and wording (the caption wording or the new ones)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r.get("set", "all") for r in provenance):
+        idx = [i for i, r in enumerate(provenance) if r.get("set", "all") == name]
+        sets = [[rows[i] for i in idx] for rows in label_sets]
+        mine = {a: [found[a][i] for i in idx] for a in ATTRIBUTES}
+        groups: dict[str, dict[str, Any]] = {}
+        for j, i in enumerate(idx):
+            words = provenance[i]["prompt"].lower().replace(",", " ").replace(":", " ").split()
+            want = (next(c for c in COLORS if c in words), next(s for s in SHAPES if s in words))
+            right = [(found["color"][i], found["shape"][i]) == want] + [(rows[j]["color"], rows[j]["shape"]) == want
+                                                                        for rows in sets]
+            kind = "caption wording" if provenance[i]["wording"] == "caption" else "new wordings"
+            for key in ("all", f"{provenance[i]['split']}, {kind}"):
+                g = groups.setdefault(key, {"num": 0, "judge": 0, "labellers": [0] * len(sets), "all_labellers": 0})
+                g["num"] += 1
+                g["judge"] += int(right[0])
+                g["labellers"] = [k + int(r) for k, r in zip(g["labellers"], right[1:])]
+                g["all_labellers"] += int(all(right[1:]))
+        out[name] = {"num": len(idx), "agreement": agreement(mine, agreed_labels(*sets)), "both_right": groups}
+    return out
+
+
 def shape_by_size(found: Sequence[str], labels: dict[str, Sequence[str | None]]) -> dict[str, dict[str, dict[str, int]]]:
     """Per labelled shape and size: how many of the shape verdicts ``found`` name the shape
     (``{"right", "num"}``), in the order the shapes and sizes first appear."""

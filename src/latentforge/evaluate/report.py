@@ -106,6 +106,31 @@ def _judge_validation(j: dict[str, Any], heldout_combos: Sequence[str] = ()) -> 
     return lines + _vae_ceiling(v.get("vae_by_shape_size"), heldout_combos)
 
 
+def _labelled(lab: dict[str, Any] | None) -> list[str]:
+    """The judge against images of demo models labelled by eye (``demo.labelled``), per set."""
+    if not lab:
+        return []
+    if lab.get("missing"):
+        return ["", f"Labelled images (`demo.labelled`): `{lab['folder']}` not found from the working directory, "
+                    "so the judge was not checked against them (run the demo from the repository's root)."]
+    lines = ["", f"Against generated images of demo models labelled by eye (`{lab['folder']}`, {lab['labellers']} "
+                 "labellers, blind to the prompt, to each other and to every verdict; its README says how they were "
+                 "drawn): the judge's verdicts against the labels all labellers gave alike, and the images with both "
+                 "the colour and the shape of their prompt right by the judge and by the labellers (by all of them in "
+                 "the last column). Where the judge calls more images right than the labellers, its figures above "
+                 "read high by about that much on such images.",
+             "", "| set | images | colour | shape | size | position | both right: judge | each labeller | all labellers |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, f in lab["sets"].items():
+        agree = " | ".join(f"{c['right']}/{c['num']}" for c in (f["agreement"][a] for a in ("color", "shape", "size", "position")))
+        for key, g in sorted(f["both_right"].items(), key=lambda kv: (kv[0] != "all", kv[0])):
+            label = f"{name}" if key == "all" else f"{name}: {key}"
+            cells = agree if key == "all" else " | ".join(["-"] * 4)
+            lines.append(f"| {label} | {g['num']} | {cells} | {g['judge']} | {' / '.join(map(str, g['labellers']))} | "
+                         f"{g['all_labellers']} |")
+    return lines
+
+
 def _vae_ceiling(by: dict[str, Any] | None, heldout_combos: Sequence[str]) -> list[str]:
     """The shapes the judge names in the VAE's reconstructions, per shape and size, and what that
     bounds on the held-out combinations (what the VAE cannot reconstruct, no denoiser on it draws)."""
@@ -224,6 +249,7 @@ def write_report(r: dict[str, Any], out: Path) -> Path:
         "### The judge's validation",
         "",
         *_judge_validation(ev["judge"], ev["splits"]["heldout"]["combos"]),
+        *_labelled(ev.get("judge_labelled")),
         "",
         "## Training",
         "",
