@@ -436,6 +436,12 @@ def test_labelled_figures_count_agreement_and_both_right_per_set_by_hand(tmp_pat
     assert read_labelled_samples(tmp_path) == (prov, [first, second])
     with pytest.raises(UserError, match="no labelled images here"):
         read_labelled_samples(tmp_path / "nothing")
+    (tmp_path / "provenance.jsonl").write_text("".join(json.dumps(dict(r, prompt="a red thing")) + "\n" for r in prov))
+    with pytest.raises(UserError, match="line 1: the prompt 'a red thing' must name one colour and one shape"):
+        read_labelled_samples(tmp_path)
+    (tmp_path / "labels-1.jsonl").write_text(json.dumps({"file": "a.png", "color": "red"}) + "\n")
+    with pytest.raises(UserError, match="labels-1.jsonl: line 1 has no shape, size, position"):
+        read_labelled_samples(tmp_path)
 
 
 def test_the_demo_says_when_its_labelled_images_are_not_there(tmp_path):

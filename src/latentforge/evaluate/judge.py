@@ -395,6 +395,16 @@ def read_labelled_samples(folder: str | Path) -> tuple[list[dict], list[list[dic
     if not (d / "provenance.jsonl").is_file() or not files:
         raise UserError(f"{d}: no labelled images here (provenance.jsonl and labels-1.jsonl, ... expected)")
     provenance, label_sets = read(d / "provenance.jsonl"), [read(f) for f in files]
+    for where, rows, keys in [("provenance.jsonl", provenance, ("file", "split", "wording", "prompt"))] + [
+            (f.name, rows, ("file", *ATTRIBUTES)) for f, rows in zip(files, label_sets)]:
+        for n, r in enumerate(rows, 1):
+            if missing := [k for k in keys if k not in r]:
+                raise UserError(f"{d / where}: line {n} has no {', '.join(missing)}")
+    for n, r in enumerate(provenance, 1):
+        words = r["prompt"].lower().replace(",", " ").replace(":", " ").split()
+        if sum(c in words for c in COLORS) != 1 or sum(s in words for s in SHAPES) != 1:
+            raise UserError(f"{d / 'provenance.jsonl'}: line {n}: the prompt {r['prompt']!r} must name one colour and "
+                            "one shape of the dataset")
     if any([r["file"] for r in rows] != [r["file"] for r in provenance] for rows in label_sets):
         raise UserError(f"{d}: the label files must list the images of provenance.jsonl in the same order")
     return provenance, label_sets
