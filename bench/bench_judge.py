@@ -114,10 +114,9 @@ def samples(judge, size: int, floor: float) -> None:
     found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in provenance], size, floor)
     figures = labelled_figures(found, provenance, label_sets)
     for name, f in figures.items():
-        idx = [i for i, r in enumerate(provenance) if r.get("set", "all") == name]
-        for k, rows in enumerate(label_sets, 1):
-            c = agreement({a: [found[a][i] for i in idx] for a in ATTRIBUTES}, {a: [rows[i][a] for i in idx] for a in ATTRIBUTES})
-            print(f"  samples {name} ({f['num']}), labeller {k} ({rows[idx[0]].get('labeller', '?')}): "
+        first = next(i for i, r in enumerate(provenance) if r.get("set", "all") == name)
+        for k, (rows, c) in enumerate(zip(label_sets, f["agreement_each"]), 1):
+            print(f"  samples {name} ({f['num']}), labeller {k} ({rows[first].get('labeller', '?')}): "
                   + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
         print(f"  samples {name}, the labels all gave: "
               + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in f["agreement"].items()))

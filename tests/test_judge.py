@@ -18,10 +18,10 @@ from latentforge.data.synth import COLORS, POSITIONS, SHAPES, SIZES, SynthConfig
 from latentforge.errors import ConfigError, UserError
 from latentforge.evaluate import alignment
 from latentforge.evaluate.alignment import Prompt, check_new_wordings, make_prompts, score
-from latentforge.evaluate.judge import (NONE, Judge, JudgeConfig, JudgeEnsemble, agreed_labels, agreement, blur,
-                                        build_judge, chance, down_up, features, labelled_figures, load_judge,
-                                        load_labelled, read_labelled_samples, save_judge, shape_by_size, shape_ceiling,
-                                        validate_judge, verdicts, verdicts_of_tensor)
+from latentforge.evaluate.judge import (NONE, Judge, JudgeConfig, JudgeEnsemble, agreed_labels, agreement,
+                                        asked_pair, blur, build_judge, chance, down_up, features, labelled_figures,
+                                        load_judge, load_labelled, read_labelled_samples, save_judge, shape_by_size,
+                                        shape_ceiling, validate_judge, verdicts, verdicts_of_tensor)
 from latentforge.evaluate.nonshapes import NONSHAPE_KINDS, nonshape_set
 from latentforge.evaluate.stats import Z_95, clustered_interval, student_t_quantile, wilson_interval
 
@@ -382,14 +382,6 @@ def _sample_rows(name: str) -> list[dict]:
     return [json.loads(line) for line in (SAMPLES / name).read_text().splitlines() if line]
 
 
-def _asked(prompt: str) -> tuple[str, str]:
-    """The colour and the shape a prompt names (each exactly once)."""
-    words = prompt.lower().replace(",", " ").replace(":", " ").split()
-    colors, shapes = [c for c in COLORS if c in words], [s for s in SHAPES if s in words]
-    assert len(colors) == 1 and len(shapes) == 1, prompt
-    return colors[0], shapes[0]
-
-
 def test_the_sample_fixture_holds_two_blind_label_sets_and_where_each_image_comes_from():
     """tests/fixtures/judge-samples/: images of demo models of the shipped recipe and of the wide
     U-Net, drawn at random from their evaluation grids, each labelled by two labellers blind to the
@@ -404,7 +396,7 @@ def test_the_sample_fixture_holds_two_blind_label_sets_and_where_each_image_come
     assert all(r[a] is None or r[a] in allowed[a] for rows in (first, second) for r in rows for a in allowed)
     assert {r["split"] for r in prov} == {"heldout", "seen"} and {r["wording"] for r in prov} >= {"caption", "plain"}
     for r in prov:
-        _asked(r["prompt"])
+        assert asked_pair(r["prompt"]) is not None, r["prompt"]
         assert Image.open(SAMPLES / r["file"]).size == (32, 32)
 
 
@@ -422,6 +414,9 @@ def test_labelled_figures_count_agreement_and_both_right_per_set_by_hand(tmp_pat
     f = labelled_figures(found, prov, [first, second])
     assert list(f) == ["s", "t"] and f["s"]["num"] == 2 and f["t"]["num"] == 1
     assert f["s"]["agreement"]["shape"] == {"right": 1, "num": 1}  # b.png: the labellers differ, not counted
+    assert [c["shape"] for c in f["s"]["agreement_each"]] == [{"right": 1, "num": 2}, {"right": 2, "num": 2}]
+    assert asked_pair("top right: cyan diamond, small") == ("cyan", "diamond") and asked_pair("a red thing") is None
+    assert asked_pair("a red or blue star") is None
     assert f["s"]["agreement"]["size"] == {"right": 0, "num": 0} and f["t"]["agreement"]["position"] == {"right": 0, "num": 1}
     assert f["s"]["both_right"]["all"] == {"num": 2, "judge": 2, "labellers": [1, 2], "all_labellers": 1}
     assert f["s"]["both_right"]["seen, new wordings"] == {"num": 1, "judge": 1, "labellers": [0, 1], "all_labellers": 0}
@@ -458,14 +453,20 @@ def test_the_demo_says_when_its_labelled_images_are_not_there(tmp_path):
     assert _labelled(load_recipe("tiny-cpu", ["demo.labelled="]), judge=None) is None and report_lines(None) == []
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("attribute", ["color", "size", "position"])
-def test_judge_agrees_with_both_labellers_on_the_demo_models_images(demo_judge, attribute):
+@pytest.fixture(scope="module")
+def demo_judge_on_samples(demo_judge):
+    """The demo's judge against the labels both labellers gave on tests/fixtures/judge-samples/."""
     judge, recipe = demo_judge
     rows = _sample_rows("labels-1.jsonl")
     found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in rows], recipe.ingest.image.resolution,
                      recipe.demo.judge.floor)
-    counts = agreement(found, agreed_labels(rows, _sample_rows("labels-2.jsonl")))
+    return agreement(found, agreed_labels(rows, _sample_rows("labels-2.jsonl")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attribute", ["color", "size", "position"])
+def test_judge_agrees_with_both_labellers_on_the_demo_models_images(demo_judge_on_samples, attribute):
+    counts = demo_judge_on_samples
     assert counts[attribute]["right"] >= 0.95 * counts[attribute]["num"], (attribute, counts)
 
 
@@ -476,12 +477,8 @@ def test_judge_agrees_with_both_labellers_on_the_demo_models_images(demo_judge, 
     "a diamond or a cross for lumpy small diamonds, teardrops and four-pointed concave stars that both call none (and "
     "calls five mid-sized discs none), so it scores 181 of their 192 images both right where the labellers score "
     "154-163; 88 of 92 of the wide U-Net's. Strict: remove this mark once the judge passes."))
-def test_judge_agrees_with_both_labellers_on_the_shapes_of_the_demo_models_images(demo_judge):
-    judge, recipe = demo_judge
-    rows = _sample_rows("labels-1.jsonl")
-    found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in rows], recipe.ingest.image.resolution,
-                     recipe.demo.judge.floor)
-    counts = agreement(found, agreed_labels(rows, _sample_rows("labels-2.jsonl")))
+def test_judge_agrees_with_both_labellers_on_the_shapes_of_the_demo_models_images(demo_judge_on_samples):
+    counts = demo_judge_on_samples
     assert counts["shape"]["right"] >= 0.95 * counts["shape"]["num"], counts
 
 

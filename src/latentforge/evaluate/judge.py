@@ -385,6 +385,13 @@ def agreed_labels(*label_sets: Sequence[dict]) -> dict[str, list[str | None]]:
                 for image in zip(*label_sets)] for a in ATTRIBUTES}
 
 
+def asked_pair(prompt: str) -> tuple[str, str] | None:
+    """The colour and the shape a prompt names, each exactly once; None otherwise."""
+    words = prompt.lower().replace(",", " ").replace(":", " ").split()
+    colors, shapes = [c for c in COLORS if c in words], [s for s in SHAPES if s in words]
+    return (colors[0], shapes[0]) if len(colors) == 1 and len(shapes) == 1 else None
+
+
 def read_labelled_samples(folder: str | Path) -> tuple[list[dict], list[list[dict]]]:
     """A folder of generated images labelled by eye (as ``tests/fixtures/judge-samples/``):
     ``provenance.jsonl`` (``{"file", "set", "split", "wording", "prompt", ...}``, one line per image) and
@@ -401,8 +408,7 @@ def read_labelled_samples(folder: str | Path) -> tuple[list[dict], list[list[dic
             if missing := [k for k in keys if k not in r]:
                 raise UserError(f"{d / where}: line {n} has no {', '.join(missing)}")
     for n, r in enumerate(provenance, 1):
-        words = r["prompt"].lower().replace(",", " ").replace(":", " ").split()
-        if sum(c in words for c in COLORS) != 1 or sum(s in words for s in SHAPES) != 1:
+        if asked_pair(r["prompt"]) is None:
             raise UserError(f"{d / 'provenance.jsonl'}: line {n}: the prompt {r['prompt']!r} must name one colour and "
                             "one shape of the dataset")
     if any([r["file"] for r in rows] != [r["file"] for r in provenance] for rows in label_sets):
@@ -413,7 +419,8 @@ def read_labelled_samples(folder: str | Path) -> tuple[list[dict], list[list[dic
 def labelled_figures(found: dict[str, list[str]], provenance: Sequence[dict],
                      label_sets: Sequence[Sequence[dict]]) -> dict[str, dict[str, Any]]:
     """Per set of ``provenance`` (its ``set`` field): the judge's verdicts ``found`` against the labels
-    every labeller gave alike (per attribute, ``agreement``), and how many images have both the colour
+    every labeller gave alike (per attribute, ``agreement``) and against each labeller's
+    (``agreement_each``), and how many images have both the colour
     and the shape that their prompt names right by the judge, by each labeller and by all of them
     (the demo's both-right), also per split and wording (the caption wording or the new ones)."""
     out: dict[str, dict[str, Any]] = {}
@@ -423,8 +430,7 @@ def labelled_figures(found: dict[str, list[str]], provenance: Sequence[dict],
         mine = {a: [found[a][i] for i in idx] for a in ATTRIBUTES}
         groups: dict[str, dict[str, Any]] = {}
         for j, i in enumerate(idx):
-            words = provenance[i]["prompt"].lower().replace(",", " ").replace(":", " ").split()
-            want = (next(c for c in COLORS if c in words), next(s for s in SHAPES if s in words))
+            want = asked_pair(provenance[i]["prompt"])
             right = [(found["color"][i], found["shape"][i]) == want] + [(rows[j]["color"], rows[j]["shape"]) == want
                                                                         for rows in sets]
             kind = "caption wording" if provenance[i]["wording"] == "caption" else "new wordings"
@@ -434,7 +440,9 @@ def labelled_figures(found: dict[str, list[str]], provenance: Sequence[dict],
                 g["judge"] += int(right[0])
                 g["labellers"] = [k + int(r) for k, r in zip(g["labellers"], right[1:])]
                 g["all_labellers"] += int(all(right[1:]))
-        out[name] = {"num": len(idx), "agreement": agreement(mine, agreed_labels(*sets)), "both_right": groups}
+        out[name] = {"num": len(idx), "agreement": agreement(mine, agreed_labels(*sets)),
+                     "agreement_each": [agreement(mine, {a: [r[a] for r in rows] for a in ATTRIBUTES}) for rows in sets],
+                     "both_right": groups}
     return out
 
 
