@@ -11,7 +11,8 @@ its agreement with the fixture per attribute: with the first labels for the imag
 model (000-065), of the stronger one (066-125) and for all; for all with the second labeller's
 labels, the third's and the labels all three gave; the labellers' agreement with each other;
 then every disagreement with the first labels; then, per set of tests/fixtures/judge-samples/ (images
-of the demo's models labelled by two blind labellers), the agreement with each and with both, and the
+of the demo's models labelled by blind labellers), the agreement with each and with the labels all gave,
+each labeller's agreement with the labels all the others gave (what a person reaches), and the
 images with both colour and shape right by the judge and by the labellers. ``--flip-table``: also the shape verdicts at
 floors 0.5-0.9 with one view, and with a horizontally flipped second view (all six shapes are
 symmetric about the vertical axis) whose probabilities are averaged (``mean``) or whose lower
@@ -114,9 +115,13 @@ def samples(judge, size: int, floor: float) -> None:
     found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in provenance], size, floor)
     figures = labelled_figures(found, provenance, label_sets)
     for name, f in figures.items():
-        first = next(i for i, r in enumerate(provenance) if r.get("set", "all") == name)
+        idx = [i for i, r in enumerate(provenance) if r.get("set", "all") == name]
         for k, (rows, c) in enumerate(zip(label_sets, f["agreement_each"]), 1):
-            print(f"  samples {name} ({f['num']}), labeller {k} ({rows[first].get('labeller', '?')}): "
+            who = "/".join(dict.fromkeys(str(rows[i].get("labeller", "?")) for i in idx))
+            print(f"  samples {name} ({f['num']}), labeller {k} ({who}): "
+                  + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
+        for k, c in enumerate(f["labeller_vs_rest"], 1):
+            print(f"  samples {name}, labeller {k} against the labels all the others gave: "
                   + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in c.items()))
         print(f"  samples {name}, the labels all gave: "
               + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in f["agreement"].items()))

@@ -18,7 +18,7 @@ from latentforge.data.synth import COLORS, POSITIONS, SHAPES, SIZES, SynthConfig
 from latentforge.errors import ConfigError, UserError
 from latentforge.evaluate import alignment
 from latentforge.evaluate.alignment import Prompt, check_new_wordings, make_prompts, score
-from latentforge.evaluate.judge import (NONE, Judge, JudgeConfig, JudgeEnsemble, agreed_labels, agreement,
+from latentforge.evaluate.judge import (ATTRIBUTES, NONE, Judge, JudgeConfig, JudgeEnsemble, agreed_labels, agreement,
                                         asked_pair, blur, build_judge, chance, down_up, features, labelled_figures,
                                         load_judge, load_labelled, read_labelled_samples, save_judge, shape_by_size,
                                         shape_ceiling, validate_judge, verdicts, verdicts_of_tensor)
@@ -378,26 +378,36 @@ def test_judge_at_the_demo_settings_agrees_with_shapes_assigned_by_eye(demo_judg
     assert counts["shape"]["right"] >= 0.95 * counts["shape"]["num"], (counts, wrong)
 
 
-def _sample_rows(name: str) -> list[dict]:
-    return [json.loads(line) for line in (SAMPLES / name).read_text().splitlines() if line]
-
-
-def test_the_sample_fixture_holds_two_blind_label_sets_and_where_each_image_comes_from():
+def test_the_sample_fixture_holds_four_blind_label_sets_and_where_each_image_comes_from():
     """tests/fixtures/judge-samples/: images of demo models of the shipped recipe and of the wide
-    U-Net, drawn at random from their evaluation grids, each labelled by two labellers blind to the
+    U-Net, drawn at random from their evaluation grids, each labelled by four labellers blind to the
     prompt, to each other and to every verdict (README.md there): every image once, in order, in
-    the provenance and in both label sets, each label a class of the dataset, "none" or null."""
+    the provenance and in every label set, four different labellers per image, each label a class of
+    the dataset, "none" or null."""
     files = sorted(p.name for p in SAMPLES.glob("*.png"))
-    prov, first, second = (_sample_rows(f) for f in ("provenance.jsonl", "labels-1.jsonl", "labels-2.jsonl"))
-    assert len(files) >= 192 and [r["file"] for r in prov] == files
-    assert [r["file"] for r in first] == files and [r["file"] for r in second] == files
-    assert all(a["labeller"] != b["labeller"] for a, b in zip(first, second))
+    prov, label_sets = read_labelled_samples(SAMPLES)
+    assert len(files) >= 192 and [r["file"] for r in prov] == files and len(label_sets) == 4
+    assert all([r["file"] for r in rows] == files for rows in label_sets)
+    assert all(len({rows[i]["labeller"] for rows in label_sets}) == 4 for i in range(len(files)))
     allowed = {"color": {*COLORS, NONE}, "shape": {*SHAPES, NONE}, "size": set(SIZES), "position": set(POSITIONS)}
-    assert all(r[a] is None or r[a] in allowed[a] for rows in (first, second) for r in rows for a in allowed)
+    assert all(r[a] is None or r[a] in allowed[a] for rows in label_sets for r in rows for a in allowed)
     assert {r["split"] for r in prov} == {"heldout", "seen"} and {r["wording"] for r in prov} >= {"caption", "plain"}
     for r in prov:
         assert asked_pair(r["prompt"]) is not None, r["prompt"]
         assert Image.open(SAMPLES / r["file"]).size == (32, 32)
+
+
+def test_each_labeller_of_the_sample_fixture_agrees_with_the_others_on_95_percent_of_shapes():
+    """The bar the judge is held to is one a person meets: over the fixture, each labeller names the
+    shape that all three others gave alike on at least 95% of those images (measured: 255 of 259-264,
+    README.md there). Fails if a label file is out of order or a labeller reads the rule another way."""
+    prov, label_sets = read_labelled_samples(SAMPLES)
+    found = {a: [None] * len(prov) for a in ATTRIBUTES}  # no judge here: only the labellers' figures are read
+    figures = labelled_figures(found, prov, label_sets)
+    for k in range(len(label_sets)):
+        right = sum(f["labeller_vs_rest"][k]["shape"]["right"] for f in figures.values())
+        num = sum(f["labeller_vs_rest"][k]["shape"]["num"] for f in figures.values())
+        assert num >= 200 and right >= 0.95 * num, (k + 1, right, num)
 
 
 def test_labelled_figures_count_agreement_and_both_right_per_set_by_hand(tmp_path):
@@ -415,6 +425,10 @@ def test_labelled_figures_count_agreement_and_both_right_per_set_by_hand(tmp_pat
     assert list(f) == ["s", "t"] and f["s"]["num"] == 2 and f["t"]["num"] == 1
     assert f["s"]["agreement"]["shape"] == {"right": 1, "num": 1}  # b.png: the labellers differ, not counted
     assert [c["shape"] for c in f["s"]["agreement_each"]] == [{"right": 1, "num": 2}, {"right": 2, "num": 2}]
+    # each labeller against the other: b.png's shapes differ, so each agrees on 1 of 2; a null counts as a disagreement
+    assert [c["shape"] for c in f["s"]["labeller_vs_rest"]] == [{"right": 1, "num": 2}] * 2
+    assert [c["size"] for c in f["s"]["labeller_vs_rest"]] == [{"right": 0, "num": 0}] * 2
+    assert labelled_figures(found, prov, [first])["s"]["labeller_vs_rest"] == []
     assert asked_pair("top right: cyan diamond, small") == ("cyan", "diamond") and asked_pair("a red thing") is None
     assert asked_pair("a red or blue star") is None
     assert f["s"]["agreement"]["size"] == {"right": 0, "num": 0} and f["t"]["agreement"]["position"] == {"right": 0, "num": 1}
@@ -455,29 +469,30 @@ def test_the_demo_says_when_its_labelled_images_are_not_there(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo_judge_on_samples(demo_judge):
-    """The demo's judge against the labels both labellers gave on tests/fixtures/judge-samples/."""
+    """The demo's judge against the labels all four labellers gave on tests/fixtures/judge-samples/."""
     judge, recipe = demo_judge
-    rows = _sample_rows("labels-1.jsonl")
-    found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in rows], recipe.ingest.image.resolution,
+    prov, label_sets = read_labelled_samples(SAMPLES)
+    found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in prov], recipe.ingest.image.resolution,
                      recipe.demo.judge.floor)
-    return agreement(found, agreed_labels(rows, _sample_rows("labels-2.jsonl")))
+    return agreement(found, agreed_labels(*label_sets))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attribute", ["color", "size", "position"])
-def test_judge_agrees_with_both_labellers_on_the_demo_models_images(demo_judge_on_samples, attribute):
+def test_judge_agrees_with_all_labellers_on_the_demo_models_images(demo_judge_on_samples, attribute):
     counts = demo_judge_on_samples
     assert counts[attribute]["right"] >= 0.95 * counts[attribute]["num"], (attribute, counts)
 
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
-    "measured (tests/fixtures/judge-samples/README.md): the judge agrees on the shape with the labels both "
-    "labellers gave on 239 of 269 images (89%): 151 of 177 of the shipped recipe's three demo models, where it names "
-    "a diamond or a cross for lumpy small diamonds, teardrops and four-pointed concave stars that both call none (and "
-    "calls five mid-sized discs none), so it scores 181 of their 192 images both right where the labellers score "
-    "154-163; 88 of 92 of the wide U-Net's. Strict: remove this mark once the judge passes."))
-def test_judge_agrees_with_both_labellers_on_the_shapes_of_the_demo_models_images(demo_judge_on_samples):
+    "measured (tests/fixtures/judge-samples/README.md): the judge agrees on the shape with the labels all four "
+    "labellers gave on 232 of 255 images (91%; each labeller with the other three's on 255 of 259-264, 97-98%): 145 "
+    "of 164 of the shipped recipe's three demo models, where it names a diamond or a cross for lumpy small diamonds, "
+    "teardrops and four-pointed concave stars that the labellers call none (and calls mid-sized discs none), so it "
+    "scores 181 of their 192 images both right where the labellers score 154-165 (145 by all four); 87 of 91 of the "
+    "wide U-Net's. Strict: remove this mark once the judge passes."))
+def test_judge_agrees_with_all_labellers_on_the_shapes_of_the_demo_models_images(demo_judge_on_samples):
     counts = demo_judge_on_samples
     assert counts["shape"]["right"] >= 0.95 * counts["shape"]["num"], counts
 

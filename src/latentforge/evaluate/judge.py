@@ -420,7 +420,9 @@ def labelled_figures(found: dict[str, list[str]], provenance: Sequence[dict],
                      label_sets: Sequence[Sequence[dict]]) -> dict[str, dict[str, Any]]:
     """Per set of ``provenance`` (its ``set`` field): the judge's verdicts ``found`` against the labels
     every labeller gave alike (per attribute, ``agreement``) and against each labeller's
-    (``agreement_each``), and how many images have both the colour
+    (``agreement_each``); each labeller against the labels all the others gave alike
+    (``labeller_vs_rest``, with two labellers or more; a null counts as a disagreement): what a person
+    reaches, the bar for the judge's ``agreement``; and how many images have both the colour
     and the shape that their prompt names right by the judge, by each labeller and by all of them
     (the demo's both-right), also per split and wording (the caption wording or the new ones)."""
     out: dict[str, dict[str, Any]] = {}
@@ -440,9 +442,12 @@ def labelled_figures(found: dict[str, list[str]], provenance: Sequence[dict],
                 g["judge"] += int(right[0])
                 g["labellers"] = [k + int(r) for k, r in zip(g["labellers"], right[1:])]
                 g["all_labellers"] += int(all(right[1:]))
+        as_found = [{a: [r[a] for r in rows] for a in ATTRIBUTES} for rows in sets]
+        rest = [agreement(as_found[k], agreed_labels(*(s for j, s in enumerate(sets) if j != k)))
+                for k in range(len(sets))] if len(sets) > 1 else []
         out[name] = {"num": len(idx), "agreement": agreement(mine, agreed_labels(*sets)),
-                     "agreement_each": [agreement(mine, {a: [r[a] for r in rows] for a in ATTRIBUTES}) for rows in sets],
-                     "both_right": groups}
+                     "agreement_each": [agreement(mine, labels) for labels in as_found],
+                     "labeller_vs_rest": rest, "both_right": groups}
     return out
 
 

@@ -115,17 +115,20 @@ def _labelled(lab: dict[str, Any] | None) -> list[str]:
                     "so the judge was not checked against them (run the demo from the repository's root)."]
     lines = ["", f"Against generated images of demo models labelled by eye (`{lab['folder']}`, {lab['labellers']} "
                  "labellers, blind to the prompt, to each other and to every verdict; its README says how they were "
-                 "drawn): the judge's verdicts against the labels all labellers gave alike, and the images with both "
-                 "the colour and the shape of their prompt right by the judge and by the labellers (by all of them in "
-                 "the last column). Where the judge calls more images right than the labellers, its figures above "
-                 "read high by about that much on such images.",
-             "", "| set | images | colour | shape | size | position | both right: judge | each labeller | all labellers |",
-             "|---|---|---|---|---|---|---|---|---|"]
+                 "drawn): the judge's verdicts against the labels all labellers gave alike; each labeller's shapes "
+                 "against the shapes all the others gave alike (what a person reaches: the bar for the judge's shape "
+                 "column); and the images with both the colour and the shape of their prompt right by the judge and "
+                 "by the labellers (by all of them in the last column). Where the judge calls more images right than "
+                 "the labellers, its figures above read high by about that much on such images.",
+             "", "| set | images | colour | shape | size | position | each labeller vs the others: shape | "
+                 "both right: judge | each labeller | all labellers |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, f in lab["sets"].items():
         agree = " | ".join(f"{c['right']}/{c['num']}" for c in (f["agreement"][a] for a in ("color", "shape", "size", "position")))
+        people = ", ".join(f"{c['shape']['right']}/{c['shape']['num']}" for c in f.get("labeller_vs_rest", [])) or "-"
         for key, g in sorted(f["both_right"].items(), key=lambda kv: (kv[0] != "all", kv[0])):
             label = f"{name}" if key == "all" else f"{name}: {key}"
-            cells = agree if key == "all" else " | ".join(["-"] * 4)
+            cells = f"{agree} | {people}" if key == "all" else " | ".join(["-"] * 5)
             lines.append(f"| {label} | {g['num']} | {cells} | {g['judge']} | {' / '.join(map(str, g['labellers']))} | "
                          f"{g['all_labellers']} |")
     return lines
