@@ -91,6 +91,28 @@ def test_ema_update_is_one_foreach_call(monkeypatch):
     assert calls == [(num_params, pytest.approx(0.1))]
 
 
+def test_ema_follows_the_model_it_is_given_after_listing_its_parameters_once():
+    # The parameter list is kept after the first update (not rebuilt every step): updates follow
+    # in-place changes of those weights, and a different model object is listed anew.
+    model, other = _model(), _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.fill_(1.0)
+    ema = EMA(model, EMAConfig(decay=0.5))
+    start = [s.clone() for s in ema.shadow]
+    ema.update(model, step=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(2.0)  # as an optimizer step does
+    ema.update(model, step=1)
+    for s, s0, p in zip(ema.shadow, start, model.parameters()):
+        torch.testing.assert_close(s, 0.5 * s0 + 0.5 * p.detach())  # step 0 averaged s0 with itself
+    before = [s.clone() for s in ema.shadow]
+    ema.update(other, step=2)
+    for s, b in zip(ema.shadow, before):
+        torch.testing.assert_close(s, 0.5 * b + 0.5)
+
+
 def test_ema_of_bf16_weights_stays_fp32():
     model = _model().to(torch.bfloat16)
     ema = EMA(model, EMAConfig(decay=0.5, device="cpu"))

@@ -83,6 +83,7 @@ class EMA:
         self.shadow = [_local(p).to(device=self.device, dtype=torch.float32, copy=True) for p in params]
         self.num_updates = 0  # averaging updates done since start_step (drives the decay warmup)
         self._staging: list[torch.Tensor] | None = None
+        self._sources: tuple[torch.nn.Module, list[torch.Tensor]] | None = None  # see _sources_of
 
     def current_decay(self) -> float:
         """Decay of the next update; with warmup, the ramp of TensorFlow's
@@ -101,10 +102,20 @@ class EMA:
         torch._foreach_copy_(self._staging, params)
         return self._staging
 
+    def _sources_of(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """The (local shards of the) parameters that ``model`` gives the EMA, listed on the first
+        update of that model and reused after: a model keeps its parameter tensors while it trains
+        (the optimizer and loading a checkpoint write into them); walking its module tree and detaching
+        each parameter took about 0.55 ms of every step of the demo's U-Net."""
+        if self._sources is None or self._sources[0] is not model:
+            self._sources = (model, [_local(p.detach()) for p in model.parameters()
+                                     if p.requires_grad or not self.trainable_only])
+        return self._sources[1]
+
     @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int) -> None:
         """Call after the optimizer step ``step`` (0-based)."""
-        params = [_local(p.detach()) for p in model.parameters() if p.requires_grad or not self.trainable_only]
+        params = self._sources_of(model)
         if step < self.cfg.start_step:
             torch._foreach_copy_(self.shadow, params)
             return

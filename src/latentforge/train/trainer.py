@@ -513,7 +513,10 @@ class Trainer:
         # A LoRA run checkpoints and averages only what it trains: the base is the init_from directory.
         self.trainable_only = cfg.lora is not None
         self.denoiser = denoiser_of(model)  # how this backbone is called (train_model may wrap it)
-        self.optimizer = build_optimizer(model.parameters(), cfg.optim, self.device.type,
+        # The parameters, listed once: not a walk of the module tree every step (0.4 ms a walk on the
+        # demo's U-Net, about 1% of its step with the EMA's; the EMA keeps its own list).
+        self.params = list(model.parameters())
+        self.optimizer = build_optimizer(self.params, cfg.optim, self.device.type,
                                          hidden=hidden_matrices(model, self.denoiser.edge_layers)
                                          if cfg.optim.name == "muon" else ())
         self.phase_batches = phase_batches(cfg, self.world.world_size)
@@ -522,7 +525,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.ema = EMA(model, cfg.ema, trainable_only=self.trainable_only) if cfg.ema is not None else None
         # FSDP2 shards the parameters into DTensors in place: checkpoints then go through DCP.
-        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        self.sharded = any(isinstance(p, DTensor) for p in self.params)
         self.step = 0
         self.phase = 0
         self.skipped_steps = 0
@@ -717,7 +720,7 @@ class Trainer:
                 loss = self.loss_on(batch) / len(batches)
                 loss.backward()
             total += loss.detach()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
+        grad_norm = clip_grad_norm(self.params, self.cfg.optim.grad_clip)
         # A finite loss can still give inf/NaN gradients (an overflow in the backward pass), and
         # gradients are averaged across ranks, so checking their norm too makes every rank take
         # the same decision. Host sync: needed to decide whether to step.

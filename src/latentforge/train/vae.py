@@ -265,6 +265,7 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
     else:
         opt = torch.optim.AdamW(vae.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99),
                                 **adamw_kernel(torch.device(device).type))
+    params = list(vae.parameters())  # listed once: not a walk of the module tree every step
     total = cfg.steps or 10**9
 
     def lr_at(step: int) -> float:
@@ -339,7 +340,7 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
         loss = terms["loss"] + cfg.kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         step += 1
