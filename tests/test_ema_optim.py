@@ -92,25 +92,45 @@ def test_ema_update_is_one_foreach_call(monkeypatch):
 
 
 def test_ema_follows_the_model_it_is_given_after_listing_its_parameters_once():
-    # The parameter list is kept after the first update (not rebuilt every step): updates follow
-    # in-place changes of those weights, and a different model object is listed anew.
+    # The Parameter objects are listed on the first update of a model, not every step; updates
+    # follow in-place changes and swapped storage of those parameters, and another model object is
+    # listed anew.
     model, other = _model(), _model()
     with torch.no_grad():
         for p in other.parameters():
             p.fill_(1.0)
+    listed = []
+    for m in (model, other):
+        real = m.parameters
+        m.parameters = lambda *a, _real=real, _m=m, **k: (listed.append(_m), _real(*a, **k))[1]
     ema = EMA(model, EMAConfig(decay=0.5))
     start = [s.clone() for s in ema.shadow]
-    ema.update(model, step=0)
+    params = list(model.parameters())
+    calls = []
+
+    def update(m, step):
+        listed.clear()
+        ema.update(m, step)
+        calls.append(list(listed))
+
+    update(model, 0)
     with torch.no_grad():
-        for p in model.parameters():
+        for p in params:
             p.add_(2.0)  # as an optimizer step does
-    ema.update(model, step=1)
-    for s, s0, p in zip(ema.shadow, start, model.parameters()):
+    update(model, 1)
+    for s, s0, p in zip(ema.shadow, start, params):
         torch.testing.assert_close(s, 0.5 * s0 + 0.5 * p.detach())  # step 0 averaged s0 with itself
+    for p in params:
+        p.data = torch.full_like(p.data, 3.0)  # new storage in the same Parameter
     before = [s.clone() for s in ema.shadow]
-    ema.update(other, step=2)
+    update(model, 2)
+    for s, b in zip(ema.shadow, before):
+        torch.testing.assert_close(s, 0.5 * b + 1.5)
+    before = [s.clone() for s in ema.shadow]
+    update(other, 3)
     for s, b in zip(ema.shadow, before):
         torch.testing.assert_close(s, 0.5 * b + 0.5)
+    assert calls == [[model], [], [], [other]]  # each model object listed once, on its first update
 
 
 def test_ema_of_bf16_weights_stays_fp32():
