@@ -257,15 +257,15 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
     # The fused kernel: on the demo's VAE (168k parameters, batch 8, CPU) the step's compute took 86 ms
     # against 95-99 ms with the default; the whole train-vae loop, loader included, 2-3% less time
     # (docs/demo.md, run 21).
+    params = list(vae.parameters())  # listed once: the optimizer and every step's gradient clip use it
     if cfg.optimizer == "muon":
         hidden = hidden_matrices(vae, VAE_EDGE_LAYERS)
         ids = {id(p) for p in hidden}
-        opt = MuonAdamW([{"params": hidden, "muon": True}, {"params": [p for p in vae.parameters() if id(p) not in ids]}],
+        opt = MuonAdamW([{"params": hidden, "muon": True}, {"params": [p for p in params if id(p) not in ids]}],
                         lr=cfg.lr, betas=(0.9, 0.99))
     else:
-        opt = torch.optim.AdamW(vae.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99),
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99),
                                 **adamw_kernel(torch.device(device).type))
-    params = list(vae.parameters())  # listed once: not a walk of the module tree every step
     total = cfg.steps or 10**9
 
     def lr_at(step: int) -> float:
