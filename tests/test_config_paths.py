@@ -256,6 +256,10 @@ CASES = [
     c("demo.judge.batch_size", "0", "must be >= 1"),
     c("demo.judge.width", "0", "must be >= 1"),
     c("demo.judge.num_nonshapes", "-1", "must be >= 0"),
+    c("demo.judge.num_resized", "-1", "must be >= 0"),
+    c("demo.judge.resized_widths", "[0.5,0.3]", "must be [low, high]"),
+    c("demo.judge.resized_widths", "[0.3]", "must be [low, high]"),
+    c("demo.judge.extra_nonshapes", "[sparkles]", "unknown kind 'sparkles'"),
     c("demo.judge.ensemble", "0", "must be >= 1"),
     c("demo.judge.threads", "0", "must be >= 1"),
     # eval

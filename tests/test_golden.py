@@ -76,9 +76,13 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     assert "bounds the shape (and so both-right) figure of any denoiser on this VAE" in report
     # the judge against the images of demo models labelled by eye (demo.labelled: tests/fixtures/judge-samples)
     labelled = r["evaluation"]["judge_labelled"]
-    assert list(labelled["sets"]) == ["recipe-1", "recipe-2", "wide", "vae1800-1", "vae1800-2"] and labelled["labellers"] == 4
+    assert list(labelled["sets"]) == ["recipe-1", "recipe-2", "wide", "vae1800-1", "vae1800-2",
+                                      "vae1800-3", "vae1800-4"] and labelled["labellers"] == 4
     assert all(f["both_right"]["all"]["num"] == 96 for f in labelled["sets"].values())
     assert "Against generated images of demo models labelled by eye" in report and "| wide | 96 |" in report
+    # the judge trained on shapes of no dataset size too, and checked on fresh ones
+    assert r["evaluation"]["judge"]["train_resized"] == 100 and validation["between_sizes"]["num"] == 120
+    assert "Fresh shapes of no dataset size" in report and "100 renders of the shapes at other widths" in report
     assert (out / "run" / "report" / "val_loss.png").is_file() and "## Validation loss" in (
         out / "run" / "report" / "quality.md").read_text()
     heldout = r["evaluation"]["splits"]["heldout"]

@@ -54,6 +54,15 @@ class JudgeConfig:
     width: int = field(default=16, metadata={"help": "channels of the first conv (x2, x4 deeper)"})
     num_nonshapes: int = field(default=1500, metadata={
         "help": "renders of non-shapes (rejection class) added to the real renders"})
+    extra_nonshapes: list[str] = field(default_factory=list, metadata={
+        "help": "non-shape kinds drawn besides the default ones, at their shares (latentforge.evaluate.nonshapes."
+                "EXTRA_NONSHAPE_KINDS: sparkle, egg)"})
+    num_resized: int = field(default=0, metadata={
+        "help": "renders of the six shapes at any width in resized_widths (their shape is the answer, their size "
+                "none), added to the real renders: a denoiser draws shapes between and beyond the dataset's two sizes"})
+    resized_widths: list[float] = field(default_factory=lambda: [0.32, 0.41], metadata={
+        "help": "[low, high] width of the resized renders, a fraction of the side (the dataset's small shapes span "
+                "0.28-0.32, its large ones 0.40-0.48)"})
     floor: float = field(default=0.6, metadata={
         "help": "confidence floor: a verdict whose softmax probability is lower is 'none'"})
     blur_prob: float = field(default=0.4, metadata={"help": "share of training images blurred (sigma 0.5-1.2 px)"})
@@ -87,6 +96,15 @@ class JudgeConfig:
                 problems.add(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.ensemble < 1:
             problems.add(f"ensemble: must be >= 1, got {self.ensemble}; 1 = one judge")
+        from latentforge.evaluate.nonshapes import EXTRA_NONSHAPE_KINDS
+
+        for k in self.extra_nonshapes:
+            if k not in EXTRA_NONSHAPE_KINDS:
+                problems.add(f"extra_nonshapes: unknown kind {k!r} (known: {', '.join(EXTRA_NONSHAPE_KINDS)})")
+        if self.num_resized < 0:
+            problems.add(f"num_resized: must be >= 0, got {self.num_resized}; 0 = none")
+        if len(self.resized_widths) != 2 or not 0.05 <= self.resized_widths[0] <= self.resized_widths[1] <= 0.9:
+            problems.add(f"resized_widths: must be [low, high] with 0.05 <= low <= high <= 0.9, got {self.resized_widths}")
         if self.num_nonshapes < 0:
             problems.add(f"num_nonshapes: must be >= 0, got {self.num_nonshapes}; 0 = no non-shape images")
         problems.raise_if_any()
@@ -280,6 +298,7 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
         torch.set_num_threads(before)
     model = members[0] if len(members) == 1 else JudgeEnsemble(members)
     report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": cfg.num_nonshapes,
+              "train_resized": cfg.num_resized,
               "members": len(members), "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor,
               "classes": model.classes}
     return model, report
@@ -288,7 +307,7 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
 def _build_member(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict]], size: int, cfg: JudgeConfig,
                   progress: bool) -> Judge:
     """One judge trained on the loaded real renders ``parts`` and ``cfg.num_nonshapes`` non-shapes of ``cfg.seed``."""
-    from latentforge.evaluate.nonshapes import nonshape_set
+    from latentforge.evaluate.nonshapes import nonshape_set, resized_set
 
     torch.manual_seed(cfg.seed)
     info = parts[0][2]
@@ -298,7 +317,8 @@ def _build_member(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict
     xs = [p[0] for p in parts]
     values = {a: [v for p in parts for v in p[1][a]] for a in ATTRIBUTES}
     image_size = int(info["config"]["image_size"])
-    non = nonshape_set(cfg.num_nonshapes, cfg.seed, image_size)
+    non = nonshape_set(cfg.num_nonshapes, cfg.seed, image_size, cfg.extra_nonshapes) + resized_set(cfg.num_resized, cfg.seed, image_size,
+                                                                                      tuple(cfg.resized_widths))
     if non:
         xs.append(to_tensor([n.image for n in non], size))
         for a in ATTRIBUTES:
@@ -489,7 +509,7 @@ def validate_judge(model: Judge | JudgeEnsemble, check_dir: Path, size: int, cfg
     (both splits), clean and degraded (blur sigma 1 px, 2x down/up-sampling, and ``autoencode``:
     e.g. the demo's own VAE, images in [-1, 1] in and out), and how often it rejects fresh
     non-shapes (another seed than training)."""
-    from latentforge.evaluate.nonshapes import nonshape_set
+    from latentforge.evaluate.nonshapes import nonshape_set, resized_set
 
     x, labels, info = load_labelled(Path(check_dir), size)
     conditions = {"clean": x, "blur": blur(x, 1.0), "down_up": down_up(x, 2)}
@@ -502,7 +522,16 @@ def validate_judge(model: Judge | JudgeEnsemble, check_dir: Path, size: int, cfg
         result["real"][name] = _rates(agreement(found, labels))
         if name == "vae":  # what the autoencoder lets through, per shape and size: the ceiling of any denoiser on it
             result["vae_by_shape_size"] = shape_by_size(found["shape"], labels)
-    non = nonshape_set(max(60, cfg.num_nonshapes // 5), cfg.seed + 7919, int(info["config"]["image_size"]))
+    image_size = int(info["config"]["image_size"])
+    for name, widths in (("between", (0.32, 0.40)), ("below", (0.22, 0.28))):  # fresh renders of no dataset size
+        off = resized_set(120, cfg.seed + 7919, image_size, widths)
+        v = verdicts(model, [n.image for n in off], size, cfg.floor)
+        result[f"{name}_sizes"] = {"num": len(off), "widths": list(widths),
+                                   "shape": float(np.mean([s == n.shape for s, n in zip(v["shape"], off)])),
+                                   "color": float(np.mean([c == n.color for c, n in zip(v["color"], off)]))}
+    # the default kinds only (the same renders whatever the extra kinds: figures comparable across judges);
+    # the extra kinds are reported apart
+    non = nonshape_set(max(60, cfg.num_nonshapes // 5), cfg.seed + 7919, image_size)
     v = verdicts(model, [n.image for n in non], size, cfg.floor)
     rejected = [s == NONE for s, n in zip(v["shape"], non) if n.shape == NONE]
     by_kind: dict[str, list[int]] = {}
@@ -518,6 +547,12 @@ def validate_judge(model: Judge | JudgeEnsemble, check_dir: Path, size: int, cfg
                            "by_kind": {k: float(np.mean(r)) for k, r in sorted(by_kind.items())},
                            "two_colour_color_rejected": float(np.mean(two)) if two else None,
                            "color_rejected_by_kind": {k: float(np.mean(r)) for k, r in sorted(no_colour.items())}}
+    if cfg.extra_nonshapes:
+        extra = [n for n in nonshape_set(max(60, cfg.num_nonshapes // 5), cfg.seed + 7920, image_size,
+                                         cfg.extra_nonshapes) if n.kind in cfg.extra_nonshapes]
+        v = verdicts(model, [n.image for n in extra], size, cfg.floor)
+        result["nonshapes"]["extra_by_kind"] = {k: float(np.mean([s == NONE for s, n in zip(v["shape"], extra) if n.kind == k]))
+                                                for k in cfg.extra_nonshapes if any(n.kind == k for n in extra)}
     return result
 
 

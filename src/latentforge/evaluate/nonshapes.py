@@ -20,6 +20,7 @@ Generator seeded with ``(seed, index)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -35,7 +36,7 @@ from latentforge.data.synth import (
     placement,
 )
 
-__all__ = ["NONSHAPE_KINDS", "NonShape", "render_nonshape", "nonshape_set"]
+__all__ = ["EXTRA_NONSHAPE_KINDS", "NONSHAPE_KINDS", "NonShape", "render_resized", "resized_set", "render_nonshape", "nonshape_set"]
 
 # kind -> share of the rejection set (normalised when drawn). "two-colour" keeps an in-set shape
 # (its shape verdict stays the shape) but has no single colour, "dull" (gray or brown) keeps its
@@ -61,6 +62,10 @@ NONSHAPE_KINDS: dict[str, float] = {
     "dull": 0.05,
     "empty": 0.03,
 }
+# Kinds a judge draws only when asked (``nonshape_set(..., extra=...)``), with their share: the near-misses
+# of small crosses and diamonds that a person rejects -- a four-pointed sparkle (a plus whose arms taper to
+# points, its sides concave) and an egg (an upright oval, one end blunter than the other).
+EXTRA_NONSHAPE_KINDS: dict[str, float] = {"sparkle": 0.08, "egg": 0.08}
 # The outlines a two-colour blob or a dull render is drawn with (the in-set ones keep their shape label).
 _BLOB_KINDS = ("blob", "lobed", "ellipse", "keyhole", "shield", "arrowhead", "morph")
 
@@ -116,6 +121,16 @@ def _outline(kind: str, rng: np.random.Generator) -> np.ndarray:
         depth = rng.uniform(0.12, 0.28) if k == 5 else rng.uniform(0.35, 0.55)
         ph = np.pi / 4 if k == 4 else rng.uniform(0, 2 * np.pi)  # a 4-lobed blob as an X, never a plus
         return _radial(lambda a: 1.0 - depth * np.abs(np.sin(k * (a - ph) / 2)) ** 1.5)
+    if kind == "sparkle":  # four points up, down, left and right; the sides between them straight and concave
+        inner = rng.uniform(0.35, 0.55)
+        a = np.arange(8) * np.pi / 4 - np.pi / 2
+        r = np.where(np.arange(8) % 2 == 0, 0.95, inner)
+        return np.stack([r * np.cos(a), r * np.sin(a)], 1)
+    if kind == "egg":  # upright, 0.55-0.8 as wide as tall, one end blunter (y down: e > 0 widens the bottom)
+        w, e = rng.uniform(0.55, 0.8), rng.uniform(0.1, 0.3) * rng.choice([-1.0, 1.0])
+        a = np.arange(96) * 2 * np.pi / 96
+        y = np.sin(a)
+        return np.stack([w * np.cos(a) * (1 + e * y), y], 1)
     if kind == "shield":  # half square, half circle (a "D", a tombstone), in any of four orientations
         a = np.arange(48) * np.pi / 47 - np.pi / 2  # the round half: x >= 0
         half = np.stack([0.8 * np.cos(a), 0.8 * np.sin(a)], 1)
@@ -218,7 +233,7 @@ def render_nonshape(kind: str, color: str, size: str, position: str, background:
     draw = ImageDraw.Draw(canvas)
     shape, label_color, label_size, label_pos = "none", color, size, position
     if kind in ("ellipse", "pentagon", "hexagon", "blob", "lobed", "keyhole", "stretched", "shield", "arrowhead",
-                "warped", "morph"):
+                "warped", "morph", "sparkle", "egg"):
         for pts in _parts(kind, rng):
             draw.polygon(_place(pts, cx, cy, radius, rng.uniform(0, 2 * np.pi) if kind == "ellipse" else rot),
                          fill=255)
@@ -304,10 +319,15 @@ def _to_image(arr: np.ndarray) -> Image.Image:
     return Image.fromarray(np.clip(np.rint(np.broadcast_to(arr, arr.shape[:2] + (3,))), 0, 255).astype(np.uint8), "RGB")
 
 
-def nonshape_set(num: int, seed: int, image_size: int) -> list[NonShape]:
-    """``num`` renders, kinds in the proportions of :data:`NONSHAPE_KINDS`, attributes uniform."""
-    kinds = list(NONSHAPE_KINDS)
-    p = np.asarray(list(NONSHAPE_KINDS.values()))
+def nonshape_set(num: int, seed: int, image_size: int, extra: Sequence[str] = ()) -> list[NonShape]:
+    """``num`` renders, kinds in the proportions of :data:`NONSHAPE_KINDS` and of the ``extra`` kinds of
+    :data:`EXTRA_NONSHAPE_KINDS`, attributes uniform."""
+    unknown = [k for k in extra if k not in EXTRA_NONSHAPE_KINDS]
+    if unknown:
+        raise ValueError(f"unknown extra non-shape kind {unknown[0]!r} (known: {', '.join(EXTRA_NONSHAPE_KINDS)})")
+    shares = {**NONSHAPE_KINDS, **{k: EXTRA_NONSHAPE_KINDS[k] for k in extra}}
+    kinds = list(shares)
+    p = np.asarray(list(shares.values()))
     plan = np.random.default_rng([seed, 0]).choice(len(kinds), size=num, p=p / p.sum())
     out = []
     for i, k in enumerate(plan):
@@ -317,4 +337,32 @@ def nonshape_set(num: int, seed: int, image_size: int) -> list[NonShape]:
         position = str(rng.choice(list(POSITIONS)))
         background = str(rng.choice(list(BACKGROUNDS)))
         out.append(render_nonshape(kinds[k], color, size, position, background, image_size, rng))
+    return out
+
+
+def render_resized(shape: str, color: str, position: str, background: str, image_size: int,
+                   rng: np.random.Generator, widths: tuple[float, float]) -> NonShape:
+    """An in-set ``shape`` in the dataset's style at a width (a fraction of the side) drawn uniformly from
+    ``widths``: its shape, colour and position are the answers; its size is not one (None). The dataset's
+    small shapes span 0.28-0.32 of the side and its large ones 0.40-0.48 (SIZES with their jitter); a
+    denoiser draws shapes between and beyond them."""
+    side = image_size * _SUPERSAMPLE
+    bg = _background(background, image_size, rng)
+    cx, cy, _, rot = placement("small", position, side, rng)
+    radius = rng.uniform(*widths) / 2 * side
+    canvas = Image.new("L", (side, side), 0)
+    ImageDraw.Draw(canvas).polygon(_place(np.asarray(_OUTLINES[shape]), cx, cy, radius, rot), fill=255)
+    alpha = _coverage(canvas)
+    out = bg * (1.0 - alpha) + np.asarray(COLORS[color], dtype=np.float32) * alpha
+    return NonShape(_to_image(out), "resized", shape, color, None, position)
+
+
+def resized_set(num: int, seed: int, image_size: int, widths: tuple[float, float]) -> list[NonShape]:
+    """``num`` renders of :func:`render_resized`, shape, colour, position and background uniform."""
+    out = []
+    for i in range(num):
+        rng = np.random.default_rng([seed, 2, i])
+        shape, color = str(rng.choice(list(_OUTLINES))), str(rng.choice(list(COLORS)))
+        position, background = str(rng.choice(list(POSITIONS))), str(rng.choice(list(BACKGROUNDS)))
+        out.append(render_resized(shape, color, position, background, image_size, rng, widths))
     return out

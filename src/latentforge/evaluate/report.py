@@ -86,7 +86,8 @@ def _judge_validation(j: dict[str, Any], heldout_combos: Sequence[str] = ()) -> 
     v = j["validation"]
     members = j.get("members", 1)
     ensemble = f", {members} judges of consecutive seeds whose probabilities are averaged" if members > 1 else ""
-    lines = [f"The judge: {j['train_images']} real renders + {j['train_nonshapes']} non-shape renders{ensemble}, "
+    resized = f" + {j['train_resized']} renders of the shapes at other widths" if j.get("train_resized") else ""
+    lines = [f"The judge: {j['train_images']} real renders + {j['train_nonshapes']} non-shape renders{resized}{ensemble}, "
              f"trained in {j['train_seconds']} s; confidence floor {v['floor']} (the same settings score the samples). "
              "Accuracy per attribute on fresh renders (another seed, both splits; a 'none' verdict counts as wrong):",
              "", "| renders | images | colour | shape | size | position |", "|---|---|---|---|---|---|"]
@@ -95,8 +96,16 @@ def _judge_validation(j: dict[str, Any], heldout_combos: Sequence[str] = ()) -> 
     for k, r in v["real"].items():
         lines.append(f"| {names.get(k, k)} | {r['num']} | {_pct(r['color'])} | {_pct(r['shape'])} | {_pct(r['size'])} | "
                      f"{_pct(r['position'])} |")
+    off = [(name, v[key]) for name, key in (("between the two sizes", "between_sizes"), ("below the small size", "below_sizes"))
+           if key in v]  # fresh shapes at widths no training render of the dataset has
+    if off:
+        lines += ["", "Fresh shapes of no dataset size (their shape and colour are the answers): "
+                  + "; ".join(f"{name} (widths {r['widths'][0]}-{r['widths'][1]} of the side), shape {_pct(r['shape'])}, "
+                              f"colour {_pct(r['color'])} of {r['num']}" for name, r in off) + "."]
     ns = v["nonshapes"]
     kinds = ", ".join(f"{k} {_pct(x)}" for k, x in ns["by_kind"].items())
+    if ns.get("extra_by_kind"):
+        kinds += "; extra kinds: " + ", ".join(f"{k} {_pct(x)}" for k, x in ns["extra_by_kind"].items())
     lines += ["", f"Fresh non-shapes rejected (shape verdict 'none'): {_pct(ns['shape_rejected'])} of {ns['num']} "
               f"({kinds}); two-colour shapes whose colour verdict is 'none': "
               f"{_pct(ns['two_colour_color_rejected']) if ns['two_colour_color_rejected'] is not None else '-'}."]
