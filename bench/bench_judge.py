@@ -70,9 +70,15 @@ def main() -> None:
     print(f"judge {cfg}: trained in {seconds:.0f} s")
     for name, r in val["real"].items():
         print(f"  fresh renders, {name:8s}: " + ", ".join(f"{a} {r[a]:.1%}" for a in ATTRIBUTES) + f" of {r['num']}")
+    for key in ("between_sizes", "below_sizes"):
+        r = val[key]
+        print(f"  fresh shapes of no dataset size, widths {r['widths'][0]}-{r['widths'][1]}: shape {r['shape']:.1%}, "
+              f"colour {r['color']:.1%} of {r['num']}")
     ns = val["nonshapes"]
     print(f"  fresh non-shapes rejected: {ns['shape_rejected']:.1%} of {ns['num']} ("
-          + ", ".join(f"{k} {x:.0%}" for k, x in ns["by_kind"].items()) + ")")
+          + ", ".join(f"{k} {x:.0%}" for k, x in ns["by_kind"].items()) + ")"
+          + ("; extra kinds: " + ", ".join(f"{k} {x:.0%}" for k, x in ns["extra_by_kind"].items())
+             if ns.get("extra_by_kind") else ""))
     print("  colour 'none' on renders with no colour of the six: "
           + ", ".join(f"{k} {x:.0%}" for k, x in ns["color_rejected_by_kind"].items()))
     labellers = {name: [json.loads(line) for line in (FIXTURE / file).read_text().splitlines() if line]
@@ -114,6 +120,8 @@ def samples(judge, size: int, floor: float) -> None:
     provenance, label_sets = read_labelled_samples(SAMPLES)
     found = verdicts(judge, [Image.open(SAMPLES / r["file"]) for r in provenance], size, floor)
     figures = labelled_figures(found, provenance, label_sets)
+    total = agreement(found, agreed_labels(*label_sets))
+    print("  samples, all sets, the labels all gave: " + ", ".join(f"{a} {v['right']}/{v['num']}" for a, v in total.items()))
     for name, f in figures.items():
         idx = [i for i, r in enumerate(provenance) if r.get("set", "all") == name]
         for k, (rows, c) in enumerate(zip(label_sets, f["agreement_each"]), 1):

@@ -306,7 +306,8 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
 
 def _build_member(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict]], size: int, cfg: JudgeConfig,
                   progress: bool) -> Judge:
-    """One judge trained on the loaded real renders ``parts`` and ``cfg.num_nonshapes`` non-shapes of ``cfg.seed``."""
+    """One judge trained on the loaded real renders ``parts``, ``cfg.num_nonshapes`` non-shapes and
+    ``cfg.num_resized`` shapes at other widths (no size answer), all of ``cfg.seed``."""
     from latentforge.evaluate.nonshapes import nonshape_set, resized_set
 
     torch.manual_seed(cfg.seed)
@@ -317,8 +318,8 @@ def _build_member(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict
     xs = [p[0] for p in parts]
     values = {a: [v for p in parts for v in p[1][a]] for a in ATTRIBUTES}
     image_size = int(info["config"]["image_size"])
-    non = nonshape_set(cfg.num_nonshapes, cfg.seed, image_size, cfg.extra_nonshapes) + resized_set(cfg.num_resized, cfg.seed, image_size,
-                                                                                      tuple(cfg.resized_widths))
+    non = (nonshape_set(cfg.num_nonshapes, cfg.seed, image_size, cfg.extra_nonshapes)
+           + resized_set(cfg.num_resized, cfg.seed, image_size, (cfg.resized_widths[0], cfg.resized_widths[1])))
     if non:
         xs.append(to_tensor([n.image for n in non], size))
         for a in ATTRIBUTES:
@@ -507,8 +508,9 @@ def validate_judge(model: Judge | JudgeEnsemble, check_dir: Path, size: int, cfg
                    autoencode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
     """Per-attribute accuracy of the judge at ``cfg.floor`` on fresh real renders of ``check_dir``
     (both splits), clean and degraded (blur sigma 1 px, 2x down/up-sampling, and ``autoencode``:
-    e.g. the demo's own VAE, images in [-1, 1] in and out), and how often it rejects fresh
-    non-shapes (another seed than training)."""
+    e.g. the demo's own VAE, images in [-1, 1] in and out); its shape and colour accuracy on fresh
+    shapes of no dataset size (widths between the two sizes, and below the small one); and how often
+    it rejects fresh non-shapes (another seed than training; the default kinds, the extra ones apart)."""
     from latentforge.evaluate.nonshapes import nonshape_set, resized_set
 
     x, labels, info = load_labelled(Path(check_dir), size)

@@ -15,6 +15,11 @@ The style is the dataset's own (:mod:`latentforge.data.synth`): flat colour on t
 dark gradient backgrounds, drawn at 4x and box-downsampled (exact area anti-aliasing), the same
 size and position grid and the same jitter. Deterministic: every image comes from a numpy
 Generator seeded with ``(seed, index)``.
+
+Two more sets serve the judge. :data:`EXTRA_NONSHAPE_KINDS` are drawn only when asked (a concave
+four-pointed star, an upright egg). :func:`resized_set` renders the six shapes of the set at widths
+between or beyond the dataset's two sizes: their shape, colour and position are the answers and
+their size is none. A denoiser draws such shapes for prompts that name no size.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from latentforge.data.synth import (
     placement,
 )
 
-__all__ = ["EXTRA_NONSHAPE_KINDS", "NONSHAPE_KINDS", "NonShape", "render_resized", "resized_set", "render_nonshape", "nonshape_set"]
+__all__ = ["EXTRA_NONSHAPE_KINDS", "NONSHAPE_KINDS", "NonShape", "nonshape_set", "render_nonshape", "render_resized",
+           "resized_set"]
 
 # kind -> share of the rejection set (normalised when drawn). "two-colour" keeps an in-set shape
 # (its shape verdict stays the shape) but has no single colour, "dull" (gray or brown) keeps its
