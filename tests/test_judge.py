@@ -398,8 +398,8 @@ def test_judge_at_the_demo_settings_agrees_with_labels_assigned_by_eye(demo_judg
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
-    "measured: the judge at the demo's settings (two threads) agrees on the shape of 108 of the 126 fixture images "
-    "(86%, under 95%; 115 trained on one thread, 112-115 with ensembles of 3-5 judges): it names a shape for "
+    "measured: the judge at the demo's settings (two threads) agrees on the shape of 106-108 of the 126 fixture images "
+    "(84-86%, under 95%; 106 in run 38; 115 trained on one thread, 112-115 with ensembles of 3-5 judges): it names a shape for "
     "near-misses that every labeller calls none (blobs as diamonds, squares, crosses and circles); and two "
     "labellers agree with each other on the shape of only 108-118 of 126 (tests/fixtures/judge/README.md, "
     "docs/demo.md). Strict: remove this mark once the judge passes."))
@@ -519,9 +519,9 @@ def test_judge_agrees_with_all_labellers_on_the_demo_models_images(demo_judge_on
     "measured (tests/fixtures/judge-samples/README.md): the judge agrees on the shape with the labels all four "
     "labellers gave on 565 of 613 images (92%; each labeller with the other three's on 613 of 620-630, 97-99%): "
     "145 of 164 of run 31's recipe's three demo models, 167 of 183 of the recipe's since run 37 on the fixture's "
-    "first cells and 166 of 175 on other cells of its seed-0 model, 87 of 91 of the wide U-Net's. It names a "
+    "first cells and 166 of 175 on other cells of its seed-0 model, 87 of 91 of the wide U-Net's. It mostly names a "
     "diamond, a cross or a star for lumpy and teardrop shapes and four-pointed concave stars that the labellers "
-    "call none, and calls some discs none that they call circles. Strict: remove this mark once the judge "
+    "call none, and mostly calls discs none where it calls a shape none that they name. Strict: remove this mark once the judge "
     "passes."))
 def test_judge_agrees_with_all_labellers_on_the_shapes_of_the_demo_models_images(demo_judge_on_samples):
     counts = demo_judge_on_samples
