@@ -46,7 +46,8 @@ TINY = [
     "train.val.every_steps=60", "train.val.num_samples=24",
     "demo.curve_per_combo=4", "demo.prompts_per_combo=8", "demo.wordings=[caption,plain]",
     "demo.new_wording_per_combo=2", "demo.num_steps=10",
-    "demo.judge.epochs=1", "demo.judge.num_nonshapes=100", "demo.judge.num_resized=100",
+    "demo.judge.epochs=1", "demo.judge.num_nonshapes=100",
+    "demo.judge.num_resized=100",  # the judge's shapes at other widths: an option the recipe leaves off (run 38), run here
 ]
 
 
