@@ -260,6 +260,11 @@ CASES = [
     c("demo.judge.resized_widths", "[0.5,0.3]", "must be [low, high]"),
     c("demo.judge.resized_widths", "[0.3]", "must be [low, high]"),
     c("demo.judge.extra_nonshapes", "[sparkles]", "unknown kind 'sparkles'"),
+    c("demo.judge.kind_shares", "{hexagons: 0}", "'hexagons' is not a non-shape kind drawn"),
+    c("demo.judge.kind_shares", "{hexagon: -1}", "the share of 'hexagon' must be a number >= 0"),
+    c("demo.judge.circle_max_corners", "0", "must be > 0 (px)"),
+    c("demo.judge.circle_max_edge", "-1", "must be > 0 (px)"),
+    c("demo.judge.circle_min_ratio", "1.5", "must be in (0, 1]"),
     c("demo.judge.ensemble", "0", "must be >= 1"),
     c("demo.judge.threads", "0", "must be >= 1"),
     # eval

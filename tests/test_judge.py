@@ -178,6 +178,32 @@ def test_extra_nonshape_kinds_are_drawn_only_when_asked():
         nonshape_set(10, 5, 64, ["spark"])
 
 
+def test_the_share_of_a_nonshape_kind_can_be_set():
+    default = nonshape_set(300, 5, 64)
+    same = nonshape_set(300, 5, 64, shares={"hexagon": NONSHAPE_KINDS["hexagon"]})
+    assert [np.asarray(x.image).tobytes() for x in default] == [np.asarray(x.image).tobytes() for x in same]
+    assert "hexagon" in {x.kind for x in default} and "hexagon" not in {x.kind for x in nonshape_set(300, 5, 64,
+                                                                                                 shares={"hexagon": 0})}
+    only = nonshape_set(40, 5, 64, shares={k: float(k == "ring") for k in NONSHAPE_KINDS})
+    assert {x.kind for x in only} == {"ring"}
+    with pytest.raises(ValueError, match="share of non-shape kind 'sparkle'"):  # an extra kind not asked for
+        nonshape_set(10, 5, 64, shares={"sparkle": 0.1})
+    with pytest.raises(ValueError, match="all 0"):
+        nonshape_set(10, 5, 64, shares={k: 0 for k in NONSHAPE_KINDS})
+
+
+def test_the_size_a_person_reads_from_a_width():
+    from latentforge.evaluate.nonshapes import size_of_width
+
+    # the border halfway between the dataset's sizes (0.3 and 0.44 of the side), none within a pixel of it
+    assert [size_of_width(w, 32) for w in (0.2, 0.3, 0.33, 0.36, 0.37, 0.39, 0.41, 0.44, 0.6)] == [
+        "small", "small", "small", None, None, None, "large", "large", "large"]
+    assert size_of_width(0.36, 128) == "small" and size_of_width(0.38, 128) == "large"  # a pixel is narrower
+    for widths, size in (((0.25, 0.25), "small"), ((0.37, 0.37), None), ((0.47, 0.47), "large")):
+        assert {x.size for x in resized_set(12, 4, 32, widths, sized=True)} == {size}
+    assert {x.size for x in resized_set(12, 4, 32, (0.25, 0.25))} == {None}  # not asked: no size answer
+
+
 def _coverage(image) -> float:
     """Pixels that differ from the gray background: how much of the image a coloured shape covers."""
     return float((np.asarray(image, dtype=float).std(axis=2) > 20).mean())

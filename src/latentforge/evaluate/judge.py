@@ -63,6 +63,23 @@ class JudgeConfig:
     resized_widths: list[float] = field(default_factory=lambda: [0.32, 0.41], metadata={
         "help": "[low, high] width of the resized renders, a fraction of the side (the dataset's small shapes span "
                 "0.28-0.32, its large ones 0.40-0.48)"})
+    resized_sizes: bool = field(default=False, metadata={
+        "help": "give the resized renders the size a person reads from their width (small or large by the border "
+                "halfway between the dataset's two sizes, none within 1 px of it) instead of no size answer"})
+    kind_shares: dict[str, float] = field(default_factory=dict, metadata={
+        "help": "share of a non-shape kind in place of its default (latentforge.evaluate.nonshapes.NONSHAPE_KINDS, "
+                "or an extra kind); 0 = never drawn. Empty: the default shares"})
+    circle_check: bool = field(default=False, metadata={
+        "help": "where the CNN says none, name the shape a circle when its region meets the labelling rule's "
+                "circle in numbers (latentforge.evaluate.outline: one filled region, no corners, roughly as wide as "
+                "tall, a sharp edge; the thresholds below)"})
+    circle_max_corners: float = field(default=0.115, metadata={
+        "help": "largest amplitude (px) of the region's radial profile at 4-8 cycles a turn (a pentagon or a "
+                "hexagon has its corners there)"})
+    circle_min_ratio: float = field(default=0.8, metadata={"help": "smallest over largest radius of the region"})
+    circle_max_edge: float = field(default=1.11, metadata={
+        "help": "median width (px) of the region's edge, coverage 0.75 to 0.25 (a shape blurred past recognition "
+                "has a wide one)"})
     floor: float = field(default=0.6, metadata={
         "help": "confidence floor: a verdict whose softmax probability is lower is 'none'"})
     blur_prob: float = field(default=0.4, metadata={"help": "share of training images blurred (sigma 0.5-1.2 px)"})
@@ -105,6 +122,19 @@ class JudgeConfig:
             problems.add(f"num_resized: must be >= 0, got {self.num_resized}; 0 = none")
         if len(self.resized_widths) != 2 or not 0.05 <= self.resized_widths[0] <= self.resized_widths[1] <= 0.9:
             problems.add(f"resized_widths: must be [low, high] with 0.05 <= low <= high <= 0.9, got {self.resized_widths}")
+        from latentforge.evaluate.nonshapes import NONSHAPE_KINDS
+
+        for k, v in self.kind_shares.items():
+            if k not in NONSHAPE_KINDS and k not in self.extra_nonshapes:
+                problems.add(f"kind_shares: {k!r} is not a non-shape kind drawn (known: {', '.join(NONSHAPE_KINDS)}, "
+                             f"and the extra_nonshapes)")
+            elif not isinstance(v, (int, float)) or v < 0:
+                problems.add(f"kind_shares: the share of {k!r} must be a number >= 0, got {v!r}")
+        for name in ("circle_max_corners", "circle_max_edge"):
+            if not getattr(self, name) > 0:
+                problems.add(f"{name}: must be > 0 (px), got {getattr(self, name)}")
+        if not 0.0 < self.circle_min_ratio <= 1.0:
+            problems.add(f"circle_min_ratio: must be in (0, 1], got {self.circle_min_ratio}")
         if self.num_nonshapes < 0:
             problems.add(f"num_nonshapes: must be >= 0, got {self.num_nonshapes}; 0 = no non-shape images")
         problems.raise_if_any()
@@ -119,6 +149,7 @@ class Judge(nn.Module):
         super().__init__()
         self.classes = {"color": list(colors), "shape": [*shapes, NONE], "size": list(sizes),
                         "position": list(positions)}
+        self.circle_check: dict[str, float] | None = None  # see circle_rule; set from the judge's config
         c = width
 
         def block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
@@ -156,6 +187,7 @@ class JudgeEnsemble(nn.Module):
             raise ValueError("the judges of an ensemble must have the same classes")
         self.members = nn.ModuleList(members)
         self.classes = members[0].classes
+        self.circle_check: dict[str, float] | None = None
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """The first member's trunk features."""
@@ -297,8 +329,9 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
     finally:
         torch.set_num_threads(before)
     model = members[0] if len(members) == 1 else JudgeEnsemble(members)
+    model.circle_check = circle_rule(cfg)
     report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": cfg.num_nonshapes,
-              "train_resized": cfg.num_resized,
+              "train_resized": cfg.num_resized, "circle_check": circle_rule(cfg),
               "members": len(members), "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor,
               "classes": model.classes}
     return model, report
@@ -318,8 +351,9 @@ def _build_member(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict
     xs = [p[0] for p in parts]
     values = {a: [v for p in parts for v in p[1][a]] for a in ATTRIBUTES}
     image_size = int(info["config"]["image_size"])
-    non = (nonshape_set(cfg.num_nonshapes, cfg.seed, image_size, cfg.extra_nonshapes)
-           + resized_set(cfg.num_resized, cfg.seed, image_size, (cfg.resized_widths[0], cfg.resized_widths[1])))
+    non = (nonshape_set(cfg.num_nonshapes, cfg.seed, image_size, cfg.extra_nonshapes, cfg.kind_shares)
+           + resized_set(cfg.num_resized, cfg.seed, image_size, (cfg.resized_widths[0], cfg.resized_widths[1]),
+                         cfg.resized_sizes))
     if non:
         xs.append(to_tensor([n.image for n in non], size))
         for a in ATTRIBUTES:
@@ -339,11 +373,23 @@ def _build_member(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict
     return train_judge(torch.cat(xs), labels, model, cfg, progress=progress)
 
 
+def circle_rule(cfg: JudgeConfig | dict) -> dict[str, float] | None:
+    """The thresholds of :func:`latentforge.evaluate.outline.is_circle` that ``cfg`` (a config or its
+    saved dict) asks for; None when its circle check is off."""
+    get = (lambda k: cfg.get(k, getattr(JudgeConfig, k))) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
+    if not get("circle_check"):
+        return None
+    return {"max_corners": float(get("circle_max_corners")), "min_ratio": float(get("circle_min_ratio")),
+            "max_edge": float(get("circle_max_edge"))}
+
+
 @torch.no_grad()
 def verdicts_of_tensor(model: Judge | JudgeEnsemble, x: torch.Tensor, floor: float,
                        batch: int = 256) -> dict[str, list[str]]:
     """Per image and attribute the judge's verdict: a class name, or "none" (the rejection class
-    or a confidence under ``floor``)."""
+    or a confidence under ``floor``). With the model's circle check on, a shape verdict "none" whose
+    image meets the rule's circle (:func:`latentforge.evaluate.outline.is_circle`, measured at the
+    resolution of ``x``) is "circle"."""
     model.eval()
     out: dict[str, list[str]] = {a: [] for a in ATTRIBUTES}
     for i in range(0, len(x), batch):
@@ -352,6 +398,13 @@ def verdicts_of_tensor(model: Judge | JudgeEnsemble, x: torch.Tensor, floor: flo
             p, k = F.softmax(logits[a], 1).max(1)
             names = model.classes[a]
             out[a] += [names[j] if q >= floor else NONE for q, j in zip(p.tolist(), k.tolist())]
+    rule = getattr(model, "circle_check", None)
+    if rule and "circle" in model.classes["shape"]:
+        from latentforge.evaluate.outline import is_circle, measure
+
+        for i, v in enumerate(out["shape"]):
+            if v == NONE and is_circle(measure(x[i].permute(1, 2, 0).double().cpu().numpy()), **rule):
+                out["shape"][i] = "circle"
     return out
 
 
@@ -625,6 +678,7 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: 
                             f"({str(e).splitlines()[0]}); delete {d} to train the judge again") from None
         members.append(m.eval())
     model = members[0] if len(members) == 1 else JudgeEnsemble(members).eval()
+    model.circle_check = circle_rule(meta.get("config") or {})
     return model, meta["report"]
 
 
@@ -636,5 +690,5 @@ def chance(classes: dict[str, list[str]]) -> dict[str, float]:
 
 
 __all__ = ["ATTRIBUTES", "COLORS", "NONE", "POSITIONS", "SHAPES", "SIZES", "Judge", "JudgeConfig", "JudgeEnsemble",
-           "agreement", "blur", "build_judge", "chance", "down_up", "features", "load_judge", "save_judge", "shape_by_size",
+           "agreement", "blur", "build_judge", "chance", "circle_rule", "down_up", "features", "load_judge", "save_judge", "shape_by_size",
            "shape_ceiling", "to_tensor", "validate_judge", "verdicts", "verdicts_of_tensor"]

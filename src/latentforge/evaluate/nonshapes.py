@@ -19,7 +19,8 @@ Generator seeded with ``(seed, index)``.
 Two more sets serve the judge. :data:`EXTRA_NONSHAPE_KINDS` are drawn only when asked (a concave
 four-pointed star, an upright egg). :func:`resized_set` renders the six shapes of the set at widths
 between or beyond the dataset's two sizes: their shape, colour and position are the answers and
-their size is none. A denoiser draws such shapes for prompts that name no size.
+their size is none, or when asked the size a person reads from the width. A denoiser draws such
+shapes for prompts that name no size.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from latentforge.data.synth import (
 )
 
 __all__ = ["EXTRA_NONSHAPE_KINDS", "NONSHAPE_KINDS", "NonShape", "nonshape_set", "render_nonshape", "render_resized",
-           "resized_set"]
+           "resized_set", "size_of_width"]
 
 # kind -> share of the rejection set (normalised when drawn). "two-colour" keeps an in-set shape
 # (its shape verdict stays the shape) but has no single colour, "dull" (gray or brown) keeps its
@@ -325,15 +326,23 @@ def _to_image(arr: np.ndarray) -> Image.Image:
     return Image.fromarray(np.clip(np.rint(np.broadcast_to(arr, arr.shape[:2] + (3,))), 0, 255).astype(np.uint8), "RGB")
 
 
-def nonshape_set(num: int, seed: int, image_size: int, extra: Sequence[str] = ()) -> list[NonShape]:
+def nonshape_set(num: int, seed: int, image_size: int, extra: Sequence[str] = (),
+                 shares: dict[str, float] | None = None) -> list[NonShape]:
     """``num`` renders, kinds in the proportions of :data:`NONSHAPE_KINDS` and of the ``extra`` kinds of
-    :data:`EXTRA_NONSHAPE_KINDS`, attributes uniform."""
+    :data:`EXTRA_NONSHAPE_KINDS`, attributes uniform. ``shares`` replaces the share of any of these kinds
+    (0 = never drawn)."""
     unknown = [k for k in extra if k not in EXTRA_NONSHAPE_KINDS]
     if unknown:
         raise ValueError(f"unknown extra non-shape kind {unknown[0]!r} (known: {', '.join(EXTRA_NONSHAPE_KINDS)})")
-    shares = {**NONSHAPE_KINDS, **{k: EXTRA_NONSHAPE_KINDS[k] for k in extra}}
-    kinds = list(shares)
-    p = np.asarray(list(shares.values()))
+    shares_all = {**NONSHAPE_KINDS, **{k: EXTRA_NONSHAPE_KINDS[k] for k in extra}}
+    for k, v in (shares or {}).items():
+        if k not in shares_all or v < 0:
+            raise ValueError(f"share of non-shape kind {k!r}: must be one of the kinds drawn and >= 0, got {v}")
+        shares_all[k] = float(v)
+    kinds = list(shares_all)
+    p = np.asarray(list(shares_all.values()))
+    if p.sum() <= 0:
+        raise ValueError("the non-shape kinds' shares are all 0")
     plan = np.random.default_rng([seed, 0]).choice(len(kinds), size=num, p=p / p.sum())
     out = []
     for i, k in enumerate(plan):
@@ -347,28 +356,42 @@ def nonshape_set(num: int, seed: int, image_size: int, extra: Sequence[str] = ()
 
 
 def render_resized(shape: str, color: str, position: str, background: str, image_size: int,
-                   rng: np.random.Generator, widths: tuple[float, float]) -> NonShape:
+                   rng: np.random.Generator, widths: tuple[float, float], sized: bool = False) -> NonShape:
     """An in-set ``shape`` in the dataset's style at a width (a fraction of the side) drawn uniformly from
-    ``widths``: its shape, colour and position are the answers; its size is not one (None). The dataset's
-    small shapes span 0.28-0.32 of the side and its large ones 0.40-0.48 (SIZES with their jitter); a
-    denoiser draws shapes between and beyond them."""
+    ``widths``: its shape, colour and position are the answers; its size is not one (None), or with
+    ``sized`` the size a person reads from the width (:func:`size_of_width`). The dataset's small shapes
+    span 0.28-0.32 of the side and its large ones 0.40-0.48 (SIZES with their jitter); a denoiser draws
+    shapes between and beyond them."""
     side = image_size * _SUPERSAMPLE
     bg = _background(background, image_size, rng)
     cx, cy, _, rot = placement("small", position, side, rng)
-    radius = rng.uniform(*widths) / 2 * side
+    width = rng.uniform(*widths)
+    radius = width / 2 * side
     canvas = Image.new("L", (side, side), 0)
     ImageDraw.Draw(canvas).polygon(_place(np.asarray(_OUTLINES[shape]), cx, cy, radius, rot), fill=255)
     alpha = _coverage(canvas)
     out = bg * (1.0 - alpha) + np.asarray(COLORS[color], dtype=np.float32) * alpha
-    return NonShape(_to_image(out), "resized", shape, color, None, position)
+    return NonShape(_to_image(out), "resized", shape, color, size_of_width(width, image_size) if sized else None,
+                    position)
 
 
-def resized_set(num: int, seed: int, image_size: int, widths: tuple[float, float]) -> list[NonShape]:
+def size_of_width(width: float, image_size: int) -> str | None:
+    """The size word a person gives a shape ``width`` (a fraction of the side) wide, by the labelling rule
+    of tests/fixtures/judge-samples: small or large by the border halfway between the dataset's two sizes,
+    None within one pixel of it."""
+    border, margin = (SIZES["small"] + SIZES["large"]) / 2, 1.0 / image_size
+    if abs(width - border) <= margin:
+        return None
+    return "small" if width < border else "large"
+
+
+def resized_set(num: int, seed: int, image_size: int, widths: tuple[float, float],
+                sized: bool = False) -> list[NonShape]:
     """``num`` renders of :func:`render_resized`, shape, colour, position and background uniform."""
     out = []
     for i in range(num):
         rng = np.random.default_rng([seed, 2, i])
         shape, color = str(rng.choice(list(_OUTLINES))), str(rng.choice(list(COLORS)))
         position, background = str(rng.choice(list(POSITIONS))), str(rng.choice(list(BACKGROUNDS)))
-        out.append(render_resized(shape, color, position, background, image_size, rng, widths))
+        out.append(render_resized(shape, color, position, background, image_size, rng, widths, sized))
     return out
