@@ -83,6 +83,9 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     # the judge trained on shapes of no dataset size too, and checked on fresh ones
     assert r["evaluation"]["judge"]["train_resized"] == 100 and validation["between_sizes"]["num"] == 120
     assert "Fresh shapes of no dataset size" in report and "100 renders of the shapes at other widths" in report
+    # the recipe's circle check, at its thresholds, is the judge's that scored the samples and says so
+    assert r["evaluation"]["judge"]["circle_check"] == {"max_corners": 0.115, "min_ratio": 0.8, "max_edge": 1.11}
+    assert "a region that meets the labelling rule's circle is a circle" in report
     assert (out / "run" / "report" / "val_loss.png").is_file() and "## Validation loss" in (
         out / "run" / "report" / "quality.md").read_text()
     heldout = r["evaluation"]["splits"]["heldout"]
