@@ -12,7 +12,8 @@ shapes and blobs in two colours or in gray, empty backgrounds), so that a blob i
 of counted as the nearest shape. Training images are degraded as decoded samples are (blur,
 down-sampling then up-sampling, a halo at the edges, noise, a small colour shift), and a few are
 blurred past recognition with the shape answer "none". A verdict whose softmax confidence is
-under ``floor`` is ``"none"`` as well.
+under ``floor`` is ``"none"`` as well. With ``circle_check``, a shape verdict "none" whose image
+meets the labelling rule's circle in numbers (:mod:`latentforge.evaluate.outline`) is "circle".
 
 :func:`validate_judge` measures it on fresh renders (another seed), clean and degraded (blurred,
 down/up-sampled, passed through an autoencoder), and on fresh non-shapes; the evaluation must use

@@ -3,7 +3,7 @@
 The labelling rule of the judge's fixtures names a circle when the region is "round, filled, no
 corners, no hole, roughly as wide as tall", seen at once. A denoiser's circles are a little
 irregular, as irregular as the pentagons and hexagons of the judge's rejection set, so a CNN that
-learned to reject those also rejects many circles a person names. These pure functions measure the
+learned to reject those also rejects some circles a person names. These pure functions measure the
 rule directly:
 
 - the region: colour distance from the background (a plane fitted to the border pixels per
@@ -12,7 +12,7 @@ rule directly:
 - its radial profile: the distance from the region's centroid to the 0.5 crossing along equally
   spaced rays;
 - ``corners``: the largest amplitude of that profile at 4-8 cycles per turn (px): a pentagon or a
-  hexagon puts its corners there, a slightly lumpy circle does not;
+  hexagon puts its corners there, a slightly lumpy circle mostly less (not always: docs/demo.md, run 39);
 - ``ratio``: its smallest radius over its largest (an ellipse is low);
 - ``edge``: the median over rays of the distance between coverage 0.75 and 0.25 (px): a shape
   blurred past recognition has a wide edge;
