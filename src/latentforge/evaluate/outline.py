@@ -2,8 +2,8 @@
 
 The labelling rule of the judge's fixtures names a circle when the region is "round, filled, no
 corners, no hole, roughly as wide as tall", seen at once. A denoiser's circles are a little
-irregular, as irregular as the pentagons and hexagons of the judge's rejection set, so a CNN that
-learned to reject those also rejects some circles a person names. These pure functions measure the
+irregular, some as irregular as the pentagons and hexagons of the judge's rejection set, so a CNN
+that learned to reject those also rejects some circles a person names. These pure functions measure the
 rule directly:
 
 - the region: colour distance from the background (a plane fitted to the border pixels per
