@@ -114,7 +114,7 @@ class JudgeConfig:
                 problems.add(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.ensemble < 1:
             problems.add(f"ensemble: must be >= 1, got {self.ensemble}; 1 = one judge")
-        from latentforge.evaluate.nonshapes import EXTRA_NONSHAPE_KINDS
+        from latentforge.evaluate.nonshapes import EXTRA_NONSHAPE_KINDS, NONSHAPE_KINDS
 
         for k in self.extra_nonshapes:
             if k not in EXTRA_NONSHAPE_KINDS:
@@ -123,8 +123,6 @@ class JudgeConfig:
             problems.add(f"num_resized: must be >= 0, got {self.num_resized}; 0 = none")
         if len(self.resized_widths) != 2 or not 0.05 <= self.resized_widths[0] <= self.resized_widths[1] <= 0.9:
             problems.add(f"resized_widths: must be [low, high] with 0.05 <= low <= high <= 0.9, got {self.resized_widths}")
-        from latentforge.evaluate.nonshapes import NONSHAPE_KINDS
-
         for k, v in self.kind_shares.items():
             if k not in NONSHAPE_KINDS and k not in self.extra_nonshapes:
                 problems.add(f"kind_shares: {k!r} is not a non-shape kind drawn (known: {', '.join(NONSHAPE_KINDS)}, "
@@ -332,7 +330,7 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
     model = members[0] if len(members) == 1 else JudgeEnsemble(members)
     model.circle_check = circle_rule(cfg)
     report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": cfg.num_nonshapes,
-              "train_resized": cfg.num_resized, "circle_check": circle_rule(cfg),
+              "train_resized": cfg.num_resized, "circle_check": model.circle_check,
               "members": len(members), "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor,
               "classes": model.classes}
     return model, report

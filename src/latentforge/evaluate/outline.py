@@ -64,18 +64,24 @@ def coverage(rgb: np.ndarray) -> np.ndarray:
     return np.clip(d / max(top, 1e-6), 0.0, 1.0)
 
 
-def _crossings(w: np.ndarray, cy: float, cx: float, level: float) -> np.ndarray:
-    """Per ray, the first distance from (cy, cx) at which ``w`` falls under ``level`` (sub-step:
-    linear between the two samples around it); the ray's length where it never does."""
+def _rays(w: np.ndarray, cy: float, cx: float) -> tuple[np.ndarray, np.ndarray]:
+    """``w`` sampled (bilinear) along equally spaced rays from (cy, cx): (rays, steps) values and the
+    distances of the steps."""
     angles = np.arange(_RAYS) * 2 * np.pi / _RAYS
     steps = np.arange(0.0, max(w.shape) / 2, _STEP)
     ys = cy + steps[None] * np.sin(angles)[:, None]
     xs = cx + steps[None] * np.cos(angles)[:, None]
     v = ndimage.map_coordinates(w, [ys.ravel(), xs.ravel()], order=1, mode="constant").reshape(ys.shape)
+    return v, steps
+
+
+def _crossings(v: np.ndarray, steps: np.ndarray, level: float) -> np.ndarray:
+    """Per ray of :func:`_rays`, the first distance at which it falls under ``level`` (sub-step:
+    linear between the two samples around it); the ray's length where it never does."""
     below = v < level
     first = np.where(below.any(1), below.argmax(1), len(steps) - 1)
     prev = np.maximum(first - 1, 0)
-    rows = np.arange(_RAYS)
+    rows = np.arange(len(v))
     a, b = v[rows, prev], v[rows, first]
     frac = np.where((first > 0) & (a > b), (a - level) / np.maximum(a - b, 1e-9), 0.0)
     return steps[prev] + np.where(first > 0, frac * _STEP, 0.0)
@@ -92,9 +98,10 @@ def measure(rgb: np.ndarray) -> Outline | None:
     main = labels == 1 + int(np.argmax(areas))
     w = cov * ndimage.binary_dilation(main, iterations=3)  # the main region with its soft edge
     cy, cx = ndimage.center_of_mass(w)
-    radii = _crossings(w, cy, cx, 0.5)
+    v, steps = _rays(w, cy, cx)  # sampled once, read at three levels
+    radii = _crossings(v, steps, 0.5)
     amp = np.abs(np.fft.rfft(radii)) * 2 / _RAYS
-    edge = float(np.median(_crossings(w, cy, cx, 0.25) - _crossings(w, cy, cx, 0.75)))
+    edge = float(np.median(_crossings(v, steps, 0.25) - _crossings(v, steps, 0.75)))
     hole = bool(ndimage.map_coordinates(cov, [[cy], [cx]], order=1)[0] < 0.5)
     return Outline(corners=float(amp[4:9].max()), ratio=float(radii.min() / max(radii.max(), 1e-9)), edge=edge,
                    hole=hole, main_share=float(areas.max() / areas.sum()))
