@@ -255,6 +255,8 @@ CASES = [
     c("demo.judge.epochs", "0", "must be >= 1"),
     c("demo.judge.batch_size", "0", "must be >= 1"),
     c("demo.judge.width", "0", "must be >= 1"),
+    c("demo.judge.levels", "0", "must be >= 1"),
+    c("demo.judge.pool", "mean", "must be one of max, max+mean"),
     c("demo.judge.num_nonshapes", "-1", "must be >= 0"),
     c("demo.judge.num_resized", "-1", "must be >= 0"),
     c("demo.judge.resized_widths", "[0.5,0.3]", "must be [low, high]"),

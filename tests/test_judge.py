@@ -329,6 +329,39 @@ def test_build_judge_trains_an_ensemble_whose_first_member_is_the_single_judge(t
         JudgeConfig(ensemble=0).validate()
 
 
+def test_the_trunks_levels_and_pooling(tmp_path):
+    """levels=3 adds a strided level (8 -> 4 px: a last feature sees the whole image); max+mean pools
+    the last map both ways (twice the heads' inputs). A saved judge of either kind loads with the same
+    outputs, and one saved before these settings existed loads as levels 2, max."""
+    x = torch.rand(4, 3, 32, 32) * 2 - 1
+    base = _tiny_judge(0)
+    assert base.features(x).shape == (4, 8) and (base.levels, base.pool) == (2, "max")
+    deep = Judge(list(COLORS), list(SHAPES), list(SIZES), list(POSITIONS), width=2, levels=3, pool="max+mean").eval()
+    convs = [m for m in deep.trunk if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 7 and [m.stride[0] for m in convs].count(2) == 3
+    with torch.no_grad():
+        assert deep.features(x).shape == (4, 16) and deep.heads["shape"].in_features == 16
+        xs = torch.linspace(-1, 1, 32).view(1, 1, 1, 32).expand(4, 1, 32, 32)
+        ys = torch.linspace(-1, 1, 32).view(1, 1, 32, 1).expand(4, 1, 32, 32)
+        last = deep.trunk(torch.cat([x, xs, ys], 1))
+        assert last.shape == (4, 8, 4, 4)
+        assert torch.equal(deep.features(x), torch.cat([last.amax((2, 3)), last.mean((2, 3))], 1))
+    with pytest.raises(ValueError):
+        Judge(list(COLORS), list(SHAPES), list(SIZES), list(POSITIONS), width=2, pool="mean")
+    for name, judge, cfg in (("deep", deep, JudgeConfig(width=2, levels=3, pool="max+mean")),
+                             ("old", base, JudgeConfig(width=2))):
+        save_judge(judge, cfg, {}, tmp_path / name)
+        if name == "old":  # written before the two settings existed
+            meta = json.loads((tmp_path / name / "judge.json").read_text())
+            for record in (meta, meta["config"]):
+                del record["levels"], record["pool"]
+            (tmp_path / name / "judge.json").write_text(json.dumps(meta))
+        loaded, _ = load_judge(tmp_path / name, cfg)
+        assert (loaded.levels, loaded.pool) == (judge.levels, judge.pool)
+        with torch.no_grad():
+            assert all(torch.equal(loaded(x)[a], v) for a, v in judge(x).items())
+
+
 @pytest.mark.parametrize("members", [1, 2])
 def test_a_saved_judge_loads_with_the_same_outputs_and_only_for_its_settings(tmp_path, members):
     judges = [_tiny_judge(i) for i in range(members)]

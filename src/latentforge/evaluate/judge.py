@@ -43,6 +43,7 @@ NONE = "none"  # the verdict of a rejected or unsure attribute
 ATTRIBUTES = ("color", "shape", "size", "position")
 _IGNORE = -100  # no label: the loss skips it
 _UNIFORM = -1  # no right answer (two colours, an empty image): the target is the uniform distribution
+POOLS = ("max", "max+mean")  # how the trunk's last feature map is pooled for the heads
 
 
 @dataclass
@@ -53,6 +54,11 @@ class JudgeConfig:
     batch_size: int = field(default=64, metadata={"help": "images per step"})
     lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate (cosine to 5%)"})
     width: int = field(default=16, metadata={"help": "channels of the first conv (x2, x4 deeper)"})
+    levels: int = field(default=2, metadata={
+        "help": "strided levels of the trunk: 2 = 32 -> 16 -> 8 px (a last feature sees 21 px), 3 = down to 4 px "
+                "(it sees the whole image)"})
+    pool: str = field(default="max", metadata={
+        "help": "how the last feature map is pooled: max (whether a pattern is anywhere) or max+mean (and how much)"})
     num_nonshapes: int = field(default=1500, metadata={
         "help": "renders of non-shapes (rejection class) added to the real renders"})
     extra_nonshapes: list[str] = field(default_factory=list, metadata={
@@ -109,9 +115,11 @@ class JudgeConfig:
         for name in ("blur_prob", "resample_prob", "halo_prob", "smear_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 problems.add(f"{name}: must be in [0, 1], got {getattr(self, name)}")
-        for name in ("epochs", "batch_size", "width", "threads"):
+        for name in ("epochs", "batch_size", "width", "threads", "levels"):
             if getattr(self, name) < 1:
                 problems.add(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.pool not in POOLS:
+            problems.add(f"pool: must be one of {', '.join(POOLS)}, got {self.pool!r}")
         if self.ensemble < 1:
             problems.add(f"ensemble: must be >= 1, got {self.ensemble}; 1 = one judge")
         from latentforge.evaluate.nonshapes import EXTRA_NONSHAPE_KINDS, NONSHAPE_KINDS
@@ -140,33 +148,43 @@ class JudgeConfig:
 
 
 class Judge(nn.Module):
-    """Four heads on a 5-conv trunk (about 70k parameters at width 16). Two coordinate channels
-    beside RGB let the globally max-pooled features carry where the shape is."""
+    """Four heads on a conv trunk (five convs, about 70k parameters at width 16). Two coordinate
+    channels beside RGB let the globally pooled features carry where the shape is. ``levels`` strided
+    levels (2: 32 -> 16 -> 8 px, where a last feature sees 21 px; 3: down to 4 px, where it sees the
+    whole image), and ``pool`` "max" (whether a pattern is anywhere) or "max+mean" (and how much of it)."""
 
     def __init__(self, colors: Sequence[str], shapes: Sequence[str], sizes: Sequence[str],
-                 positions: Sequence[str], width: int = 16):
+                 positions: Sequence[str], width: int = 16, levels: int = 2, pool: str = "max"):
         super().__init__()
+        if levels < 1 or pool not in POOLS:
+            raise ValueError(f"levels must be >= 1 and pool one of {POOLS}, got {levels}, {pool!r}")
         self.classes = {"color": list(colors), "shape": [*shapes, NONE], "size": list(sizes),
                         "position": list(positions)}
         self.circle_check: dict[str, float] | None = None  # see circle_rule; set from the judge's config
+        self.levels, self.pool = levels, pool
         c = width
 
         def block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
             return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
 
-        # 32 px: full resolution, then strided convs to 16 and 8 px; batch norm for fast training
-        self.trunk = nn.Sequential(
-            *block(5, c), *block(c, 2 * c, 2), *block(2 * c, 2 * c), *block(2 * c, 4 * c, 2), *block(4 * c, 4 * c),
-            nn.AdaptiveMaxPool2d(1), nn.Flatten(),
-        )
-        self.heads = nn.ModuleDict({a: nn.Linear(4 * c, len(v)) for a, v in self.classes.items()})
+        # 32 px: full resolution, then a strided conv and a conv per level; batch norm for fast training
+        layers, cin = block(5, c), c
+        for level in range(1, levels + 1):
+            cout = c * min(2 ** level, 4)
+            layers += [*block(cin, cout, 2), *block(cout, cout)]
+            cin = cout
+        self.trunk = nn.Sequential(*layers)
+        dim = cin * (2 if pool == "max+mean" else 1)
+        self.heads = nn.ModuleDict({a: nn.Linear(dim, len(v)) for a, v in self.classes.items()})
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        """(N, 4 * width) trunk features of images in [-1, 1] (the space of the judge's Fréchet distance)."""
+        """(N, dim) pooled trunk features of images in [-1, 1] (the space of the judge's Fréchet distance)."""
         n, _, h, w = x.shape
         ys = torch.linspace(-1, 1, h).view(1, 1, h, 1).expand(n, 1, h, w)
         xs = torch.linspace(-1, 1, w).view(1, 1, 1, w).expand(n, 1, h, w)
-        return self.trunk(torch.cat([x, xs, ys], 1))
+        f = self.trunk(torch.cat([x, xs, ys], 1))
+        pooled = f.amax((2, 3))
+        return torch.cat([pooled, f.mean((2, 3))], 1) if self.pool == "max+mean" else pooled
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         h = self.features(x)
@@ -346,7 +364,8 @@ def _build_member(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict
     info = parts[0][2]
     classes = {"color": list(info["colors"]), "shape": list(info["shapes"]), "size": list(info["sizes"]),
                "position": list(info["positions"])}
-    model = Judge(classes["color"], classes["shape"], classes["size"], classes["position"], width=cfg.width)
+    model = Judge(classes["color"], classes["shape"], classes["size"], classes["position"], width=cfg.width,
+                  levels=cfg.levels, pool=cfg.pool)
     xs = [p[0] for p in parts]
     values = {a: [v for p in parts for v in p[1][a]] for a in ATTRIBUTES}
     image_size = int(info["config"]["image_size"])
@@ -630,7 +649,8 @@ def save_judge(model: Judge | JudgeEnsemble, cfg: JudgeConfig, report: dict, out
     members = list(model.members) if isinstance(model, JudgeEnsemble) else [model]
     tensors = {f"{i}.{k}": v.detach().contiguous() for i, m in enumerate(members) for k, v in m.state_dict().items()}
     safetensors.torch.save_file(tensors, str(tmp / JUDGE_WEIGHTS), metadata={"format": "pt"})
-    meta = {"members": len(members), "width": members[0].trunk[0].out_channels, "classes": members[0].classes,
+    meta = {"members": len(members), "width": members[0].trunk[0].out_channels, "levels": members[0].levels,
+            "pool": members[0].pool, "classes": members[0].classes,
             "config": asdict(cfg), "trained_on": trained_on or {}, "report": report}
     (tmp / JUDGE_META).write_text(json.dumps(meta, indent=1, default=str))
     shutil.rmtree(out, ignore_errors=True)
@@ -668,7 +688,8 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: 
     c = meta["classes"]
     members = []
     for i in range(int(meta["members"])):
-        m = Judge(c["color"], [s for s in c["shape"] if s != NONE], c["size"], c["position"], width=int(meta["width"]))
+        m = Judge(c["color"], [s for s in c["shape"] if s != NONE], c["size"], c["position"], width=int(meta["width"]),
+                  levels=int(meta.get("levels", 2)), pool=str(meta.get("pool", "max")))
         prefix = f"{i}."
         try:
             m.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
