@@ -77,7 +77,7 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     # the judge against the images of demo models labelled by eye (demo.labelled: tests/fixtures/judge-samples)
     labelled = r["evaluation"]["judge_labelled"]
     assert list(labelled["sets"]) == ["recipe-1", "recipe-2", "wide", "vae1800-1", "vae1800-2",
-                                      "vae1800-3", "vae1800-4"] and labelled["labellers"] == 4
+                                      "vae1800-3", "vae1800-4", "vae1800-5"] and labelled["labellers"] == 4
     assert all(f["both_right"]["all"]["num"] == 96 for f in labelled["sets"].values())
     assert "Against generated images of demo models labelled by eye" in report and "| wide | 96 |" in report
     # the judge trained on shapes of no dataset size too, and checked on fresh ones
