@@ -148,10 +148,11 @@ class JudgeConfig:
 
 
 class Judge(nn.Module):
-    """Four heads on a conv trunk (five convs, about 70k parameters at width 16). Two coordinate
-    channels beside RGB let the globally pooled features carry where the shape is. ``levels`` strided
-    levels (2: 32 -> 16 -> 8 px, where a last feature sees 21 px; 3: down to 4 px, where it sees the
-    whole image), and ``pool`` "max" (whether a pattern is anywhere) or "max+mean" (and how much of it)."""
+    """Four heads on a conv trunk: a conv at full resolution, then a strided conv and a conv for each
+    of ``levels`` levels (2, the default: 32 -> 16 -> 8 px, five convs, about 70k parameters at width
+    16, and a last feature sees 21 px; 3: down to 4 px, where it sees the whole image). Two coordinate
+    channels beside RGB let the globally pooled features carry where the shape is; ``pool`` "max" asks
+    whether a pattern is anywhere, "max+mean" also how much of it there is."""
 
     def __init__(self, colors: Sequence[str], shapes: Sequence[str], sizes: Sequence[str],
                  positions: Sequence[str], width: int = 16, levels: int = 2, pool: str = "max"):
