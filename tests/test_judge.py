@@ -330,7 +330,7 @@ def test_build_judge_trains_an_ensemble_whose_first_member_is_the_single_judge(t
 
 
 def test_the_trunks_levels_and_pooling(tmp_path):
-    """levels=3 adds a strided level (8 -> 4 px: a last feature sees the whole image); max+mean pools
+    """levels=3 adds a strided level (8 -> 4 px: a last feature's field is more than the image); max+mean pools
     the last map both ways (twice the heads' inputs). A saved judge of either kind loads with the same
     outputs, and one saved before these settings existed loads as levels 2, max."""
     x = torch.rand(4, 3, 32, 32) * 2 - 1

@@ -56,7 +56,7 @@ class JudgeConfig:
     width: int = field(default=16, metadata={"help": "channels of the first conv (x2, x4 deeper)"})
     levels: int = field(default=2, metadata={
         "help": "strided levels of the trunk: 2 = 32 -> 16 -> 8 px (a last feature sees 21 px), 3 = down to 4 px "
-                "(it sees the whole image)"})
+                "(its field is 45 px, more than the image: each sees 23-32 px of a side, clipped at the border)"})
     pool: str = field(default="max", metadata={
         "help": "how the last feature map is pooled: max (whether a pattern is anywhere) or max+mean (and how much)"})
     num_nonshapes: int = field(default=1500, metadata={
@@ -150,7 +150,8 @@ class JudgeConfig:
 class Judge(nn.Module):
     """Four heads on a conv trunk: a conv at full resolution, then a strided conv and a conv for each
     of ``levels`` levels (2, the default: 32 -> 16 -> 8 px, five convs, about 70k parameters at width
-    16, and a last feature sees 21 px; 3: down to 4 px, where it sees the whole image). Two coordinate
+    16, and a last feature sees 21 px; 3: down to 4 px, where a last feature's field, 45 px, is more than
+    the image and each sees 23-32 px of a side, clipped at the border). Two coordinate
     channels beside RGB let the globally pooled features carry where the shape is; ``pool`` "max" asks
     whether a pattern is anywhere, "max+mean" also how much of it there is."""
 
