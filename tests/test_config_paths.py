@@ -267,6 +267,8 @@ CASES = [
     c("demo.judge.circle_max_corners", "0", "must be > 0 (px)"),
     c("demo.judge.circle_max_edge", "-1", "must be > 0 (px)"),
     c("demo.judge.circle_min_ratio", "1.5", "must be in (0, 1]"),
+    c("demo.judge.star_min_points", "1.2", "must be in (0, 1) (an amplitude over the mean radius)"),
+    c("demo.judge.star_max_edge", "0", "must be > 0 (px)"),
     c("demo.judge.ensemble", "0", "must be >= 1"),
     c("demo.judge.threads", "0", "must be >= 1"),
     # eval

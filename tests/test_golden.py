@@ -77,8 +77,8 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     # the judge against the images of demo models labelled by eye (demo.labelled: tests/fixtures/judge-samples)
     labelled = r["evaluation"]["judge_labelled"]
     assert list(labelled["sets"]) == ["recipe-1", "recipe-2", "wide", "vae1800-1", "vae1800-2",
-                                      "vae1800-3", "vae1800-4", "vae1800-5"] and labelled["labellers"] == 4
-    assert all(f["both_right"]["all"]["num"] == 96 for f in labelled["sets"].values())
+                                      "vae1800-3", "vae1800-4", "vae1800-5", "starcross-1"] and labelled["labellers"] == 4
+    assert [f["both_right"]["all"]["num"] for f in labelled["sets"].values()] == [96] * 8 + [72]
     assert "Against generated images of demo models labelled by eye" in report and "| wide | 96 |" in report
     # the judge trained on shapes of no dataset size too, and checked on fresh ones
     assert r["evaluation"]["judge"]["train_resized"] == 100 and validation["between_sizes"]["num"] == 120
@@ -86,6 +86,8 @@ def test_the_golden_run_writes_every_stage_and_its_curve(golden):
     # the recipe's circle check, at its thresholds, is the judge's that scored the samples and says so
     assert r["evaluation"]["judge"]["circle_check"] == {"max_corners": 0.115, "min_ratio": 0.8, "max_edge": 1.11}
     assert "a region that meets the labelling rule's circle is a circle" in report
+    assert r["evaluation"]["judge"]["star_check"] == {"min_points": 0.098, "max_edge": 1.11}  # and its star check
+    assert "whose outline lacks the rule's five points" in report
     assert (out / "run" / "report" / "val_loss.png").is_file() and "## Validation loss" in (
         out / "run" / "report" / "quality.md").read_text()
     heldout = r["evaluation"]["splits"]["heldout"]

@@ -13,7 +13,8 @@ of counted as the nearest shape. Training images are degraded as decoded samples
 down-sampling then up-sampling, a halo at the edges, noise, a small colour shift), and a few are
 blurred past recognition with the shape answer "none". A verdict whose softmax confidence is
 under ``floor`` is ``"none"`` as well. With ``circle_check``, a shape verdict "none" whose image
-meets the labelling rule's circle in numbers (:mod:`latentforge.evaluate.outline`) is "circle".
+meets the labelling rule's circle in numbers (:mod:`latentforge.evaluate.outline`) is "circle"; with
+``star_check``, a verdict "star" whose sharp region lacks the rule's five points in numbers is "none".
 
 :func:`validate_judge` measures it on fresh renders (another seed), clean and degraded (blurred,
 down/up-sampled, passed through an autoencoder), and on fresh non-shapes; the evaluation must use
@@ -87,6 +88,15 @@ class JudgeConfig:
     circle_max_edge: float = field(default=1.11, metadata={
         "help": "median width (px) of the region's edge, coverage 0.75 to 0.25 (a shape blurred past recognition "
                 "has a wide one)"})
+    star_check: bool = field(default=False, metadata={
+        "help": "where the CNN names a star, the verdict is none when its region is sharp and lacks the labelling "
+                "rule's points in numbers (latentforge.evaluate.outline.has_star_points: the radial profile's "
+                "amplitude at 5 cycles a turn over its mean radius under star_min_points; a pentagon with bumps)"})
+    star_min_points: float = field(default=0.098, metadata={
+        "help": "a star's smallest amplitude at 5 cycles a turn over its mean radius"})
+    star_max_edge: float = field(default=1.11, metadata={
+        "help": "the star check reads only sharp regions: one whose median edge width (px, coverage 0.75 to 0.25) "
+                "is wider keeps the CNN's verdict (a blurred star's points fade at the outline)"})
     floor: float = field(default=0.6, metadata={
         "help": "confidence floor: a verdict whose softmax probability is lower is 'none'"})
     blur_prob: float = field(default=0.4, metadata={"help": "share of training images blurred (sigma 0.5-1.2 px)"})
@@ -137,11 +147,13 @@ class JudgeConfig:
                              f"and the extra_nonshapes)")
             elif not isinstance(v, (int, float)) or v < 0:
                 problems.add(f"kind_shares: the share of {k!r} must be a number >= 0, got {v!r}")
-        for name in ("circle_max_corners", "circle_max_edge"):
+        for name in ("circle_max_corners", "circle_max_edge", "star_max_edge"):
             if not getattr(self, name) > 0:
                 problems.add(f"{name}: must be > 0 (px), got {getattr(self, name)}")
         if not 0.0 < self.circle_min_ratio <= 1.0:
             problems.add(f"circle_min_ratio: must be in (0, 1], got {self.circle_min_ratio}")
+        if not 0.0 < self.star_min_points < 1.0:
+            problems.add(f"star_min_points: must be in (0, 1) (an amplitude over the mean radius), got {self.star_min_points}")
         if self.num_nonshapes < 0:
             problems.add(f"num_nonshapes: must be >= 0, got {self.num_nonshapes}; 0 = no non-shape images")
         problems.raise_if_any()
@@ -163,6 +175,7 @@ class Judge(nn.Module):
         self.classes = {"color": list(colors), "shape": [*shapes, NONE], "size": list(sizes),
                         "position": list(positions)}
         self.circle_check: dict[str, float] | None = None  # see circle_rule; set from the judge's config
+        self.star_check: dict[str, float] | None = None  # see star_rule; set from the judge's config
         self.levels, self.pool = levels, pool
         c = width
 
@@ -207,6 +220,7 @@ class JudgeEnsemble(nn.Module):
         self.members = nn.ModuleList(members)
         self.classes = members[0].classes
         self.circle_check: dict[str, float] | None = None
+        self.star_check: dict[str, float] | None = None
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """The first member's trunk features."""
@@ -348,9 +362,9 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
     finally:
         torch.set_num_threads(before)
     model = members[0] if len(members) == 1 else JudgeEnsemble(members)
-    model.circle_check = circle_rule(cfg)
+    model.circle_check, model.star_check = circle_rule(cfg), star_rule(cfg)
     report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": cfg.num_nonshapes,
-              "train_resized": cfg.num_resized, "circle_check": model.circle_check,
+              "train_resized": cfg.num_resized, "circle_check": model.circle_check, "star_check": model.star_check,
               "members": len(members), "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor,
               "classes": model.classes}
     return model, report
@@ -393,14 +407,28 @@ def _build_member(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict
     return train_judge(torch.cat(xs), labels, model, cfg, progress=progress)
 
 
+def _getter(cfg: JudgeConfig | dict) -> Callable[[str], Any]:
+    """A setting of a config or of its saved dict (a field the dict lacks: the config's default)."""
+    return (lambda k: cfg.get(k, getattr(JudgeConfig, k))) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
+
+
 def circle_rule(cfg: JudgeConfig | dict) -> dict[str, float] | None:
     """The thresholds of :func:`latentforge.evaluate.outline.is_circle` that ``cfg`` (a config or its
     saved dict) asks for; None when its circle check is off."""
-    get = (lambda k: cfg.get(k, getattr(JudgeConfig, k))) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
+    get = _getter(cfg)
     if not get("circle_check"):
         return None
     return {"max_corners": float(get("circle_max_corners")), "min_ratio": float(get("circle_min_ratio")),
             "max_edge": float(get("circle_max_edge"))}
+
+
+def star_rule(cfg: JudgeConfig | dict) -> dict[str, float] | None:
+    """The thresholds of :func:`latentforge.evaluate.outline.has_star_points` that ``cfg`` (a config or its
+    saved dict) asks for; None when its star check is off."""
+    get = _getter(cfg)
+    if not get("star_check"):
+        return None
+    return {"min_points": float(get("star_min_points")), "max_edge": float(get("star_max_edge"))}
 
 
 @torch.no_grad()
@@ -409,7 +437,8 @@ def verdicts_of_tensor(model: Judge | JudgeEnsemble, x: torch.Tensor, floor: flo
     """Per image and attribute the judge's verdict: a class name, or "none" (the rejection class
     or a confidence under ``floor``). With the model's circle check on, a shape verdict "none" whose
     image meets the rule's circle (:func:`latentforge.evaluate.outline.is_circle`, measured at the
-    resolution of ``x``) is "circle"."""
+    resolution of ``x``) is "circle"; with its star check on, a verdict "star" whose sharp region lacks
+    the points (:func:`latentforge.evaluate.outline.has_star_points`) is "none"."""
     model.eval()
     out: dict[str, list[str]] = {a: [] for a in ATTRIBUTES}
     for i in range(0, len(x), batch):
@@ -418,13 +447,18 @@ def verdicts_of_tensor(model: Judge | JudgeEnsemble, x: torch.Tensor, floor: flo
             p, k = F.softmax(logits[a], 1).max(1)
             names = model.classes[a]
             out[a] += [names[j] if q >= floor else NONE for q, j in zip(p.tolist(), k.tolist())]
-    rule = getattr(model, "circle_check", None)
-    if rule and "circle" in model.classes["shape"]:
-        from latentforge.evaluate.outline import is_circle, measure
+    circle, star = getattr(model, "circle_check", None), getattr(model, "star_check", None)
+    if not circle and not star:
+        return out
+    from latentforge.evaluate.outline import has_star_points, is_circle, measure
 
-        for i, v in enumerate(out["shape"]):
-            if v == NONE and is_circle(measure(x[i].permute(1, 2, 0).double().cpu().numpy()), **rule):
+    for i, v in enumerate(out["shape"]):
+        if circle and v == NONE and "circle" in model.classes["shape"]:
+            if is_circle(measure(x[i].permute(1, 2, 0).double().cpu().numpy()), **circle):
                 out["shape"][i] = "circle"
+        elif star and v == "star":
+            if not has_star_points(measure(x[i].permute(1, 2, 0).double().cpu().numpy()), **star):
+                out["shape"][i] = NONE
     return out
 
 
@@ -700,7 +734,7 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: 
                             f"({str(e).splitlines()[0]}); delete {d} to train the judge again") from None
         members.append(m.eval())
     model = members[0] if len(members) == 1 else JudgeEnsemble(members).eval()
-    model.circle_check = circle_rule(meta.get("config") or {})
+    model.circle_check, model.star_check = circle_rule(meta.get("config") or {}), star_rule(meta.get("config") or {})
     return model, meta["report"]
 
 
@@ -713,4 +747,4 @@ def chance(classes: dict[str, list[str]]) -> dict[str, float]:
 
 __all__ = ["ATTRIBUTES", "COLORS", "NONE", "POSITIONS", "SHAPES", "SIZES", "Judge", "JudgeConfig", "JudgeEnsemble",
            "agreement", "blur", "build_judge", "chance", "circle_rule", "down_up", "features", "load_judge", "save_judge", "shape_by_size",
-           "shape_ceiling", "to_tensor", "validate_judge", "verdicts", "verdicts_of_tensor"]
+           "shape_ceiling", "star_rule", "to_tensor", "validate_judge", "verdicts", "verdicts_of_tensor"]

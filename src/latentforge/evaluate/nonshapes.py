@@ -185,9 +185,10 @@ def _radius_along(pts: np.ndarray, angles: np.ndarray) -> np.ndarray:
     return np.where(ok, t, np.inf).min(1)
 
 
-def _morph(rng: np.random.Generator) -> np.ndarray:
-    """An outline halfway between two shapes of the set (radii mixed 40-60%): neither of them."""
-    a, b = rng.choice(list(_OUTLINES), size=2, replace=False)
+def _morph(rng: np.random.Generator, pair: tuple[str, str] | None = None) -> np.ndarray:
+    """An outline halfway between two shapes of the set (radii mixed 40-60%): neither of them. The two
+    are drawn at random unless ``pair`` names them."""
+    a, b = pair if pair is not None else rng.choice(list(_OUTLINES), size=2, replace=False)
     angles = np.arange(144) * 2 * np.pi / 144
     t = rng.uniform(0.4, 0.6)
     r = (1 - t) * _radius_along(np.asarray(_OUTLINES[str(a)]), angles) + t * _radius_along(
@@ -203,7 +204,7 @@ def _bbox_centred(parts: list[np.ndarray]) -> list[np.ndarray]:
     return [p - mid for p in parts]
 
 
-def _parts(kind: str, rng: np.random.Generator) -> list[np.ndarray]:
+def _parts(kind: str, rng: np.random.Generator, morph_pair: tuple[str, str] | None = None) -> list[np.ndarray]:
     """The filled unit outlines of a kind (their union is the shape), centred on their box."""
     if kind == "keyhole":  # a head (an in-set shape, small) with a bar stuck to one side of it
         head = np.asarray(_OUTLINES[str(rng.choice(["diamond", "circle", "triangle", "square"]))]) * rng.uniform(0.5, 0.65)
@@ -219,7 +220,7 @@ def _parts(kind: str, rng: np.random.Generator) -> list[np.ndarray]:
         scale = 1.0 / max(float(np.abs(np.concatenate(parts)).max()), 1e-6)  # its long side about the diameter
         return [p * scale for p in parts]
     if kind == "morph":
-        return [_morph(rng)]
+        return [_morph(rng, morph_pair)]
     if kind == "stretched":  # an in-set shape squeezed across to 0.4-0.6 of its width: no shape of the set
         pts = np.asarray(_OUTLINES[str(rng.choice(["circle", "square", "diamond", "triangle"]))])
         squeeze = rng.uniform(0.4, 0.6)
@@ -230,8 +231,11 @@ def _parts(kind: str, rng: np.random.Generator) -> list[np.ndarray]:
 
 
 def render_nonshape(kind: str, color: str, size: str, position: str, background: str, image_size: int,
-                    rng: np.random.Generator) -> NonShape:
-    """One image of ``kind`` (a key of :data:`NONSHAPE_KINDS`) in the dataset's style."""
+                    rng: np.random.Generator, morph_pair: tuple[str, str] | None = None) -> NonShape:
+    """One image of ``kind`` (a key of :data:`NONSHAPE_KINDS`) in the dataset's style; a "morph" is
+    halfway between the two shapes of ``morph_pair`` when given (two drawn at random otherwise)."""
+    if morph_pair is not None and (kind != "morph" or any(n not in _OUTLINES for n in morph_pair)):
+        raise ValueError(f"morph_pair: two shapes of the set for kind 'morph', got {morph_pair!r} for {kind!r}")
     side = image_size * _SUPERSAMPLE
     bg = _background(background, image_size, rng)
     cx, cy, radius, rot = placement(size, position, side, rng)
@@ -241,7 +245,7 @@ def render_nonshape(kind: str, color: str, size: str, position: str, background:
     shape, label_color, label_size, label_pos = "none", color, size, position
     if kind in ("ellipse", "pentagon", "hexagon", "blob", "lobed", "keyhole", "stretched", "shield", "arrowhead",
                 "warped", "morph", "sparkle", "egg"):
-        for pts in _parts(kind, rng):
+        for pts in _parts(kind, rng, morph_pair):
             draw.polygon(_place(pts, cx, cy, radius, rng.uniform(0, 2 * np.pi) if kind == "ellipse" else rot),
                          fill=255)
     elif kind == "ring":

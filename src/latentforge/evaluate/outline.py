@@ -17,10 +17,14 @@ rule directly:
 - ``edge``: the median over rays of the distance between coverage 0.75 and 0.25 (px): a shape
   blurred past recognition has a wide edge;
 - ``hole`` (coverage under 0.5 at the centroid) and ``main_share`` (the main region's share of all
-  the area above 0.5).
+  the area above 0.5);
+- ``lobes``: the profile's amplitude at 0-8 cycles a turn over its mean radius. A star's five points
+  put theirs at 5 cycles: "points too short to be a star" (the rule's pentagon with bumps) reads low
+  there. (A cross's arms put theirs at 4, but a clean small cross can read as low as a stubby one:
+  docs/demo.md, run 41.)
 
-:func:`is_circle` applies thresholds to these. The thresholds of the recipe come from renders, not
-from labelled images (docs/demo.md, run 39).
+:func:`is_circle` and :func:`has_star_points` apply thresholds to these. The thresholds of the recipe come
+from renders, not from labelled images (docs/demo.md, runs 39 and 41; ``bench/outline_thresholds.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import ndimage
 
-__all__ = ["Outline", "coverage", "is_circle", "measure"]
+__all__ = ["Outline", "coverage", "has_star_points", "is_circle", "measure"]
 
 _RAYS = 72
 _STEP = 0.05  # px along a ray
@@ -45,6 +49,7 @@ class Outline:
     edge: float
     hole: bool
     main_share: float
+    lobes: tuple[float, ...] = ()  # amplitude at 0, 1, ..., 8 cycles a turn over the mean radius
 
 
 def coverage(rgb: np.ndarray) -> np.ndarray:
@@ -103,8 +108,9 @@ def measure(rgb: np.ndarray) -> Outline | None:
     amp = np.abs(np.fft.rfft(radii)) * 2 / _RAYS
     edge = float(np.median(_crossings(v, steps, 0.25) - _crossings(v, steps, 0.75)))
     hole = bool(ndimage.map_coordinates(cov, [[cy], [cx]], order=1)[0] < 0.5)
+    lobes = tuple(float(a) for a in amp[:9] / max(float(radii.mean()), 1e-9))
     return Outline(corners=float(amp[4:9].max()), ratio=float(radii.min() / max(radii.max(), 1e-9)), edge=edge,
-                   hole=hole, main_share=float(areas.max() / areas.sum()))
+                   hole=hole, main_share=float(areas.max() / areas.sum()), lobes=lobes)
 
 
 def is_circle(o: Outline | None, max_corners: float, min_ratio: float, max_edge: float,
@@ -114,3 +120,13 @@ def is_circle(o: Outline | None, max_corners: float, min_ratio: float, max_edge:
     ``min_ratio``) and sharp (``edge`` at most ``max_edge`` px)."""
     return (o is not None and not o.hole and o.main_share >= min_share and o.corners <= max_corners
             and o.ratio >= min_ratio and o.edge <= max_edge)
+
+
+def has_star_points(o: Outline | None, min_points: float, max_edge: float = float("inf")) -> bool:
+    """Whether a region has the rule's star points: its amplitude at 5 cycles a turn over its mean radius
+    is at least ``min_points``. The outline of a blurred region loses its points at the 0.5 crossing
+    whatever it is, so a region whose ``edge`` is wider than ``max_edge`` (px) is not read (True); no
+    region is no star (False)."""
+    if o is None:
+        return False
+    return o.edge > max_edge or o.lobes[5] >= min_points

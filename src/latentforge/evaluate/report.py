@@ -91,6 +91,10 @@ def _judge_validation(j: dict[str, Any], heldout_combos: Sequence[str] = ()) -> 
     circle = (f"; where it says none, a region that meets the labelling rule's circle is a circle: one filled "
               f"region, no corners (its radial profile's amplitude at 4-8 cycles <= {rule['max_corners']} px), "
               f"min/max radius >= {rule['min_ratio']}, edge <= {rule['max_edge']} px" if rule else "")
+    star = j.get("star_check")
+    if star:
+        circle += (f"; where it says star, a sharp region (edge <= {star['max_edge']} px) whose outline lacks the rule's "
+                   f"five points (amplitude at 5 cycles a turn < {star['min_points']} of its mean radius) is none")
     lines = [f"The judge: {j['train_images']} real renders + {j['train_nonshapes']} non-shape renders{resized}{ensemble}, "
              f"trained in {j['train_seconds']} s; confidence floor {v['floor']}{circle}. The same settings score the samples. "
              "Accuracy per attribute on fresh renders (another seed, both splits; a 'none' verdict counts as wrong):",
