@@ -17,8 +17,9 @@ It also prints why there is no such check for crosses: their amplitude at 4 cycl
 morphed halfway into a circle (p99: arms half drawn) and 400 fresh small crosses decoded (p1), and the
 least of 400 clean small crosses, which falls under that halfway point.
 
-The shapes are the fresh renders the demo validates its judge on (``synth`` at seed + 1000, as
-``latentforge demo`` makes ``synth-check``), the non-shapes those of
+The circles are the fresh renders the demo validates its judge on (``synth`` at seed + 1000, as
+``latentforge demo`` makes ``synth-check``); the small stars and crosses 400 fresh renders each, drawn
+as the dataset draws them (``default_rng(11)``) and read at the judge's size; the non-shapes those of
 :func:`latentforge.evaluate.nonshapes.nonshape_set` and :func:`~latentforge.evaluate.nonshapes.render_nonshape`.
 Prints each derivation and the recipe's value beside it.
 """

@@ -584,7 +584,7 @@ def test_judge_agrees_with_all_labellers_on_the_demo_models_images(demo_judge_on
     "call none (a cross's arms cannot be read as a star's points are: a clean small cross reads as low as a stubby one), "
     "and calls none discs whose outlines have more corner than its circle check allows (0.13-0.22 px; 5 of the 8 on "
     "the first 613 images mid-sized and slightly square, their corner at 4 cycles a turn, where irregular blob renders "
-    "start at 0.16). "Strict: remove this mark once the judge passes."))
+    "start at 0.16). Strict: remove this mark once the judge passes."))
 def test_judge_agrees_with_all_labellers_on_the_shapes_of_the_demo_models_images(demo_judge_on_samples):
     counts = demo_judge_on_samples
     assert counts["shape"]["right"] >= 0.95 * counts["shape"]["num"], counts

@@ -18,7 +18,8 @@ rule directly:
   blurred past recognition has a wide edge;
 - ``hole`` (coverage under 0.5 at the centroid) and ``main_share`` (the main region's share of all
   the area above 0.5);
-- ``lobes``: the profile's amplitude at 0-8 cycles a turn over its mean radius. A star's five points
+- ``lobes``: the profile's amplitude at 0-8 cycles a turn over its mean radius (entry 0 is 2: the scaling
+  that gives every other entry its amplitude doubles the mean). A star's five points
   put theirs at 5 cycles: "points too short to be a star" (the rule's pentagon with bumps) reads low
   there. (A cross's arms put theirs at 4, but a clean small cross can read as low as a stubby one:
   docs/demo.md, run 41.)
