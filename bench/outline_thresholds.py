@@ -64,11 +64,6 @@ def main() -> None:
     x, labels, _ = load_labelled(check, size)
     autoencode = _autoencoder(load_vae(args.vae).eval())
 
-    def decoded(shape: str) -> list:
-        idx = [i for i, s in enumerate(labels["shape"]) if s == shape]
-        with torch.no_grad():
-            return _measures(autoencode(x[idx]).clamp(-1, 1))
-
     def row(name: str, passing: float, failing: float, recipe_value: float) -> None:
         print(f"{name:18s} must pass {passing:.3f}  must fail {failing:.3f}  halfway {(passing + failing) / 2:.3f}"
               f"  recipe {recipe_value:.3f}")
@@ -76,9 +71,10 @@ def main() -> None:
     non = nonshape_set(1500, 7919, size)
     polygons = [measure(np.asarray(n.image, np.float64)) for n in non if n.kind in ("pentagon", "hexagon")]
     ellipses = [measure(np.asarray(n.image, np.float64)) for n in non if n.kind == "ellipse"]
-    circles = decoded("circle")
-    idx = [i for i, s in enumerate(labels["shape"]) if s == "circle"]
-    blurred = _measures(_gaussian_blur(x[idx].clone(), 1.2))
+    xc = x[[i for i, s in enumerate(labels["shape"]) if s == "circle"]]
+    with torch.no_grad():
+        circles = _measures(autoencode(xc).clamp(-1, 1))
+    blurred = _measures(_gaussian_blur(xc.clone(), 1.2))
     print(f"renders: {len(circles)} decoded circles, {len(polygons)} pentagons and hexagons, {len(ellipses)} "
           f"ellipses, {len(blurred)} blurred circles")
     row("circle corners", _pct([o.corners for o in circles], 99), _pct([o.corners for o in polygons], 1),

@@ -452,13 +452,15 @@ def verdicts_of_tensor(model: Judge | JudgeEnsemble, x: torch.Tensor, floor: flo
         return out
     from latentforge.evaluate.outline import has_star_points, is_circle, measure
 
+    def outline(i: int):  # the outline of image i, measured at the resolution of x
+        return measure(x[i].permute(1, 2, 0).double().cpu().numpy())
+
+    circle = circle if "circle" in model.classes["shape"] else None
     for i, v in enumerate(out["shape"]):
-        if circle and v == NONE and "circle" in model.classes["shape"]:
-            if is_circle(measure(x[i].permute(1, 2, 0).double().cpu().numpy()), **circle):
-                out["shape"][i] = "circle"
-        elif star and v == "star":
-            if not has_star_points(measure(x[i].permute(1, 2, 0).double().cpu().numpy()), **star):
-                out["shape"][i] = NONE
+        if circle and v == NONE and is_circle(outline(i), **circle):
+            out["shape"][i] = "circle"
+        elif star and v == "star" and not has_star_points(outline(i), **star):
+            out["shape"][i] = NONE
     return out
 
 

@@ -88,15 +88,15 @@ def _judge_validation(j: dict[str, Any], heldout_combos: Sequence[str] = ()) -> 
     ensemble = f", {members} judges of consecutive seeds whose probabilities are averaged" if members > 1 else ""
     resized = f" + {j['train_resized']} renders of the shapes at other widths" if j.get("train_resized") else ""
     rule = j.get("circle_check")
-    circle = (f"; where it says none, a region that meets the labelling rule's circle is a circle: one filled "
+    checks = (f"; where it says none, a region that meets the labelling rule's circle is a circle: one filled "
               f"region, no corners (its radial profile's amplitude at 4-8 cycles <= {rule['max_corners']} px), "
               f"min/max radius >= {rule['min_ratio']}, edge <= {rule['max_edge']} px" if rule else "")
     star = j.get("star_check")
     if star:
-        circle += (f"; where it says star, a sharp region (edge <= {star['max_edge']} px) whose outline lacks the rule's "
+        checks += (f"; where it says star, a sharp region (edge <= {star['max_edge']} px) whose outline lacks the rule's "
                    f"five points (amplitude at 5 cycles a turn < {star['min_points']} of its mean radius) is none")
     lines = [f"The judge: {j['train_images']} real renders + {j['train_nonshapes']} non-shape renders{resized}{ensemble}, "
-             f"trained in {j['train_seconds']} s; confidence floor {v['floor']}{circle}. The same settings score the samples. "
+             f"trained in {j['train_seconds']} s; confidence floor {v['floor']}{checks}. The same settings score the samples. "
              "Accuracy per attribute on fresh renders (another seed, both splits; a 'none' verdict counts as wrong):",
              "", "| renders | images | colour | shape | size | position |", "|---|---|---|---|---|---|"]
     names = {"clean": "clean", "blur": "blurred (sigma 1 px)", "down_up": "down-sampled 2x and up-sampled",
