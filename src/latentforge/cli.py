@@ -336,8 +336,10 @@ def cmd_report(ns, overrides):
 
 
 def cmd_demo(ns, overrides):
-    from latentforge.demo import rescore_demo, rescore_table, run_demo
+    from latentforge.demo import pin_judge, rescore_demo, rescore_table, run_demo
 
+    if ns.pin_judge is not None and ns.rescore is not None:
+        raise UserError("demo: --pin-judge trains a judge for a recipe, --rescore scores a finished demo; give one")
     if ns.rescore is not None:
         if ns.recipe:
             raise UserError(f"demo --rescore reads the recipe the demo ran with ({ns.out}/recipe.yaml); leave out --recipe")
@@ -348,6 +350,12 @@ def cmd_demo(ns, overrides):
         return
     ns.recipe = ns.recipe or "tiny-cpu"
     recipe = _recipe(ns, overrides, {})
+    if ns.pin_judge is not None:
+        path, report = pin_judge(recipe, ns.pin_judge, progress=not ns.quiet)
+        print(f"demo --pin-judge: the judge of recipe {ns.recipe} ({report['train_images']} renders + "
+              f"{report['train_nonshapes']} non-shapes, trained in {report['seconds']} s) -> {path}; set "
+              f"demo.pinned_judge={path} (the recipe's demo section) for the demo to use it")
+        return
     return _exit_code(run_demo(recipe, ns.out, progress=not ns.quiet))  # 75 after an interrupt, like train
 
 
@@ -557,6 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="no training: score the finished demo in --out again at these guidance scales, e.g. 2,3,4, "
                          "with its own recipe, prompts and judge (-> OUT/rescore/rescore.md); only demo.* overrides, e.g. "
                          "demo.sampler=dpm++ demo.num_steps=40")
+    sp.add_argument("--pin-judge", metavar="DIR",
+                    help="no demo: train the judge of the recipe's demo.judge settings on its built-in data into DIR, "
+                         "once, for demo.pinned_judge (the shipped recipes/judges/tiny-cpu was written so)")
 
     sp = add("bench", cmd_bench, "time the real training step of a recipe on this machine: img/s per device, MFU, "
              "peak memory; writes JSON that plan --throughput reads")

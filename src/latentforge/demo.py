@@ -54,6 +54,12 @@ class DemoConfig:
                 "(train.eval.every_steps): the quality curve of report.md; 0 = no curve"})
     seed: int = field(default=1234, metadata={"help": "seed of the evaluation prompts and noise"})
     judge: JudgeConfig = field(default_factory=JudgeConfig, metadata={"help": "the judge classifier"})
+    pinned_judge: str = field(default="", metadata={
+        "help": "a judge trained ahead of the run (`latentforge demo --pin-judge DIR`): a directory, or the name of one "
+                "shipped in recipes/judges/ (e.g. tiny-cpu). Used, and validated, instead of training one when it was "
+                "trained at these demo.judge settings on exactly this run's training inputs (the same synth settings, "
+                "the same SHA-256 of its renders, non-shapes and targets); otherwise the run trains its own and says why. "
+                "A relative path is from the working directory; empty = always train"})
     labelled: str = field(default="", metadata={
         "help": "a folder of generated images labelled by eye (provenance.jsonl and labels-1.jsonl, ...: "
                 "tests/fixtures/judge-samples/), against which the report checks the judge; a relative path is "
@@ -143,7 +149,8 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
         encode_dataset(str(out / "raw-heldout"), str(out / "latents-heldout"), enc_cfg, progress=False)
     st.done()
 
-    st.start("judge", "train the judge and validate it on clean, degraded and VAE-decoded renders")
+    st.start("judge", ("load the pinned judge" if recipe.demo.pinned_judge else "train the judge")
+             + " and validate it on clean, degraded and VAE-decoded renders")
     judge, judge_report = _judge(recipe, out, vae_dir)
     st.done()
 
@@ -219,10 +226,11 @@ def _autoencoder(vae: Any) -> Any:
 
 
 def _judge(recipe: Any, out: Path, vae_dir: Path, judge_dir: Path | None = None) -> tuple[Any, dict[str, Any]]:
-    """Train the judge at the recipe's settings; validate it at the same settings on fresh renders
-    (clean, blurred, down/up-sampled, through the demo's VAE: the ceiling of any denoiser). Saved
-    in ``judge_dir`` (default ``out/judge``): a rerun, and ``demo --rescore``, use the saved judge
-    while its settings and data stay those of the recipe."""
+    """The judge at the recipe's settings: ``demo.pinned_judge`` when it was trained on exactly this
+    run's inputs, else trained here; validated at the same settings on fresh renders (clean, blurred,
+    down/up-sampled, through the demo's VAE: the ceiling of any denoiser). Saved in ``judge_dir``
+    (default ``out/judge``): a rerun, and ``demo --rescore``, use the saved judge while its settings
+    and data stay those of the recipe."""
     from latentforge.evaluate.judge import build_judge, load_judge, save_judge, validate_judge
     from latentforge.models.autoencoder import load_vae
 
@@ -234,14 +242,84 @@ def _judge(recipe: Any, out: Path, vae_dir: Path, judge_dir: Path | None = None)
     if saved is not None:
         return saved
     t0 = time.perf_counter()
-    judge, report = build_judge([out / "synth"], size, recipe.demo.judge)
+    pinned = _pinned_judge(recipe, out)
+    if pinned is not None:
+        judge, report = pinned
+    else:
+        judge, report = build_judge([out / "synth"], size, recipe.demo.judge)
+        report["train_seconds"] = round(time.perf_counter() - t0, 1)
     t1 = time.perf_counter()
     report["validation"] = validate_judge(judge, out / "synth-check", size, recipe.demo.judge,
                                           autoencode=_autoencoder(load_vae(str(vae_dir)).eval()))
-    report["train_seconds"] = round(t1 - t0, 1)
     report["validate_seconds"] = round(time.perf_counter() - t1, 1)
     save_judge(judge, recipe.demo.judge, report, judge_dir, trained_on)
     return judge, report
+
+
+def pinned_judge_dir(name_or_path: str) -> Path:
+    """A directory, or the name of a judge shipped in ``recipes/judges/`` (``tiny-cpu`` ->
+    ``recipes/judges/tiny-cpu``)."""
+    from latentforge.recipe import RECIPES_DIR
+
+    path = Path(name_or_path)
+    if path.is_dir() or "/" in name_or_path or name_or_path.startswith("."):
+        return path
+    return RECIPES_DIR / "judges" / name_or_path
+
+
+def _pinned_trained_on(recipe: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a pinned judge records it was trained on (and the defaults of those settings)."""
+    return ({"synth": asdict(recipe.synth), "size": recipe.ingest.image.resolution},
+            {"synth": asdict(type(recipe.synth)())})
+
+
+def _pinned_judge(recipe: Any, out: Path) -> tuple[Any, dict[str, Any]] | None:
+    """``demo.pinned_judge`` and its report when it is the judge this run would train: the same
+    ``demo.judge`` settings, synth settings and resolution, and the same SHA-256 of its training inputs
+    (this run's renders, the non-shapes, the targets); ``None`` when none is set or it differs (said on
+    stderr: the run then trains its own)."""
+    import sys
+
+    from latentforge.evaluate.judge import JUDGE_META, JUDGE_WEIGHTS, load_judge, training_fingerprint
+
+    if not recipe.demo.pinned_judge:
+        return None
+    d = pinned_judge_dir(recipe.demo.pinned_judge)
+    if not (d / JUDGE_META).is_file() or not (d / JUDGE_WEIGHTS).is_file():
+        raise UserError(f"demo.pinned_judge: no judge in {d} ({JUDGE_WEIGHTS} and {JUDGE_META}); write one with "
+                        f"`latentforge demo --pin-judge {d}`, or set demo.pinned_judge= to train the judge in the run")
+    loaded = load_judge(d, recipe.demo.judge, *_pinned_trained_on(recipe))
+    if loaded is None:
+        print(f"demo: the pinned judge {d} was trained at other demo.judge or synth settings than this run's: "
+              "training the judge here", file=sys.stderr, flush=True)
+        return None
+    judge, report = loaded
+    size = recipe.ingest.image.resolution
+    found = training_fingerprint([out / "synth"], size, recipe.demo.judge)
+    if report.get("training_sha256") != found:
+        print(f"demo: the pinned judge {d} learned from other inputs than this run's (SHA-256 "
+              f"{str(report.get('training_sha256'))[:12]} against {found[:12]}: another renderer or non-shape "
+              "code): training the judge here", file=sys.stderr, flush=True)
+        return None
+    return judge, {**report, "pinned": recipe.demo.pinned_judge, "pinned_dir": str(d)}
+
+
+def pin_judge(recipe: Any, out_dir: str | Path, progress: bool = True) -> tuple[Path, dict[str, Any]]:
+    """Train the judge that the demo's judge stage would train for ``recipe`` (its ``demo.judge``
+    on its built-in data at its resolution), once, into ``out_dir``: for ``demo.pinned_judge``. The
+    demo then validates it instead of training it, when its inputs are the run's."""
+    import tempfile
+
+    from latentforge.data.synth import generate
+    from latentforge.evaluate.judge import build_judge, save_judge
+
+    trained_on, _ = _pinned_trained_on(recipe)
+    with tempfile.TemporaryDirectory() as tmp:
+        synth = Path(tmp) / "synth"
+        generate(synth, recipe.synth, progress=progress)
+        judge, report = build_judge([synth], trained_on["size"], recipe.demo.judge, progress=progress)
+    report["train_seconds"] = report["seconds"]
+    return save_judge(judge, recipe.demo.judge, report, out_dir, trained_on), report
 
 
 def _curve_on(recipe: Any) -> bool:

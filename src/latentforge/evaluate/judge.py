@@ -351,14 +351,17 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
     ``cfg.num_nonshapes`` non-shape renders; deterministic given the data and ``cfg``. With
     ``cfg.ensemble`` K > 1, K judges with seeds ``cfg.seed`` ... ``cfg.seed + K - 1`` as one
     :class:`JudgeEnsemble` (its first member is the judge that K = 1 gives). Trained on
-    ``cfg.threads`` threads whatever the caller set (restored afterwards)."""
+    ``cfg.threads`` threads whatever the caller set (restored afterwards). The report's
+    ``training_sha256`` is :func:`training_fingerprint` of what it learned from."""
     cfg.validate()
     t0 = time.perf_counter()
     parts = [load_labelled(Path(d), size) for d in train_dirs]
+    sets = _member_sets(parts, size, cfg)
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        members = [_build_member(parts, size, replace(cfg, seed=cfg.seed + i), progress) for i in range(cfg.ensemble)]
+        members = [train_judge(x, labels, model, replace(cfg, seed=cfg.seed + i), progress=progress)
+                   for i, (x, labels, model) in enumerate(sets)]
     finally:
         torch.set_num_threads(before)
     model = members[0] if len(members) == 1 else JudgeEnsemble(members)
@@ -366,14 +369,41 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
     report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": cfg.num_nonshapes,
               "train_resized": cfg.num_resized, "circle_check": model.circle_check, "star_check": model.star_check,
               "members": len(members), "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor,
-              "classes": model.classes}
+              "classes": model.classes, "training_sha256": _fingerprint(sets)}
     return model, report
 
 
-def _build_member(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict]], size: int, cfg: JudgeConfig,
-                  progress: bool) -> Judge:
-    """One judge trained on the loaded real renders ``parts``, ``cfg.num_nonshapes`` non-shapes and
-    ``cfg.num_resized`` shapes at other widths (no size answer), all of ``cfg.seed``."""
+def training_fingerprint(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig) -> str:
+    """SHA-256 of everything :func:`build_judge` would learn from at ``cfg``: each member's training
+    images (the real renders of ``train_dirs``, the non-shapes, the resized shapes) and targets, in
+    order. Equal fingerprints and equal configs mean the same training inputs, so a judge trained
+    elsewhere on them (a pinned judge) is the judge of these renders; a few seconds, no training."""
+    cfg.validate()
+    return _fingerprint(_member_sets([load_labelled(Path(d), size) for d in train_dirs], size, cfg))
+
+
+def _fingerprint(sets: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor], Judge]]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for x, labels, _ in sets:
+        h.update(x.contiguous().numpy().tobytes())
+        for a in ATTRIBUTES:
+            h.update(labels[a].numpy().astype("<i8").tobytes())
+    return h.hexdigest()
+
+
+def _member_sets(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict]], size: int,
+                 cfg: JudgeConfig) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], Judge]]:
+    """The training images, targets and untrained model of each of the ``cfg.ensemble`` members."""
+    return [_member_set(parts, size, replace(cfg, seed=cfg.seed + i)) for i in range(cfg.ensemble)]
+
+
+def _member_set(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict]], size: int,
+                cfg: JudgeConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor], Judge]:
+    """One judge's training set: the loaded real renders ``parts``, ``cfg.num_nonshapes`` non-shapes
+    and ``cfg.num_resized`` shapes at other widths (no size answer), all of ``cfg.seed``; its targets;
+    and the model it trains, initialised from ``cfg.seed``."""
     from latentforge.evaluate.nonshapes import nonshape_set, resized_set
 
     torch.manual_seed(cfg.seed)
@@ -404,7 +434,7 @@ def _build_member(parts: Sequence[tuple[torch.Tensor, dict[str, list[str]], dict
     for a in ("size", "position"):
         unset = torch.tensor([False] * num_real + [getattr(n, a) is None and n.kind != "empty" for n in non])
         labels[a][unset] = _IGNORE
-    return train_judge(torch.cat(xs), labels, model, cfg, progress=progress)
+    return torch.cat(xs), labels, model
 
 
 def _getter(cfg: JudgeConfig | dict) -> Callable[[str], Any]:

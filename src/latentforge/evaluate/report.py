@@ -95,8 +95,11 @@ def _judge_validation(j: dict[str, Any], heldout_combos: Sequence[str] = ()) -> 
     if star:
         checks += (f"; where it says star, a sharp region (edge <= {star['max_edge']} px) whose outline lacks the rule's "
                    f"five points (amplitude at 5 cycles a turn < {star['min_points']} of its mean radius) is none")
+    trained = (f"trained once in {j['train_seconds']} s by `latentforge demo --pin-judge` on this run's training inputs "
+               f"(their SHA-256 the same, {str(j.get('training_sha256'))[:12]}) and pinned (`demo.pinned_judge: {j['pinned']}`), "
+               f"validated here in {j.get('validate_seconds', '-')} s" if j.get("pinned") else f"trained in {j['train_seconds']} s")
     lines = [f"The judge: {j['train_images']} real renders + {j['train_nonshapes']} non-shape renders{resized}{ensemble}, "
-             f"trained in {j['train_seconds']} s; confidence floor {v['floor']}{checks}. The same settings score the samples. "
+             f"{trained}; confidence floor {v['floor']}{checks}. The same settings score the samples. "
              "Accuracy per attribute on fresh renders (another seed, both splits; a 'none' verdict counts as wrong):",
              "", "| renders | images | colour | shape | size | position |", "|---|---|---|---|---|---|"]
     names = {"clean": "clean", "blur": "blurred (sigma 1 px)", "down_up": "down-sampled 2x and up-sampled",
