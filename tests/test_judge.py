@@ -590,7 +590,7 @@ _TINY_JUDGE = ["synth.num=48", "synth.num_heldout=12", "synth.image_size=32", "i
                "demo.judge.epochs=1", "demo.judge.num_nonshapes=16", "demo.judge.batch_size=32"]
 
 
-def test_a_pinned_judge_is_used_only_where_the_run_would_train_the_same_judge(tmp_path, capsys, one_thread):
+def test_a_pinned_judge_is_used_only_where_the_run_would_train_the_same_judge(tmp_path, capsys, monkeypatch, one_thread):
     """``latentforge demo --pin-judge DIR`` trains the judge a run of the recipe would train; the run scores with
     it (no training) when its settings and the SHA-256 of its training inputs are the run's, trains its own and
     says why when either differs, and stops with one line when the pinned directory holds no judge."""
@@ -609,7 +609,15 @@ def test_a_pinned_judge_is_used_only_where_the_run_would_train_the_same_judge(tm
     x = torch.rand(4, 3, 32, 32) * 2 - 1
     assert all(torch.equal(a, b) for a, b in zip(judge(x).values(), trained.eval()(x).values()))
 
-    # other settings: the run trains its own
+    # other scoring settings (the floor, the outline checks): the same weights, scored at the run's settings
+    scored = load_recipe("tiny-cpu", [*_TINY_JUDGE, f"demo.pinned_judge={pinned}", "demo.judge.floor=0.7",
+                                      "demo.judge.star_check=false", "demo.judge.circle_check=true"])
+    rescored, rescored_report = _pinned_judge(scored, out)
+    assert all(torch.equal(a, b) for a, b in zip(rescored(x).values(), judge(x).values()))
+    assert (rescored.star_check, rescored_report["star_check"], rescored_report["floor"]) == (None, None, 0.7)
+    assert rescored.circle_check == rescored_report["circle_check"] and rescored.circle_check["min_ratio"] == 0.8
+    assert judge.star_check is not None  # the recipe's own: on
+    # other training settings: the run trains its own
     assert _pinned_judge(load_recipe("tiny-cpu", [*_TINY_JUDGE, f"demo.pinned_judge={pinned}", "demo.judge.lr=0.001"]),
                          out) is None
     assert "other demo.judge or synth settings" in capsys.readouterr().err
@@ -636,6 +644,16 @@ def test_a_pinned_judge_is_used_only_where_the_run_would_train_the_same_judge(tm
     assert all(torch.equal(a, b) for a, b in zip(staged(x).values(), trained(x).values()))
     assert load_judge(out / "judge") is not None
     assert "--pin-judge" in "\n".join(_judge_validation(staged_report))
+
+    # a rescore at other scoring settings (the floor, the checks) keeps the run's weights, validated at its settings
+    monkeypatch.setattr("latentforge.evaluate.judge.build_judge", lambda *a, **k: pytest.fail("trained a judge"))
+    rescoring = load_recipe("tiny-cpu", [*_TINY_JUDGE, "demo.pinned_judge=", "demo.judge.floor=0.7",
+                                         "demo.judge.star_check=false"])
+    again, again_report = _judge(rescoring, out, tmp_path / "vae", tmp_path / "rescore-judge")
+    assert all(torch.equal(a, b) for a, b in zip(again(x).values(), staged(x).values()))
+    assert (again.star_check, again_report["floor"], again_report["validation"]["floor"]) == (None, 0.7, 0.7)
+    assert load_judge(tmp_path / "rescore-judge", rescoring.demo.judge) is not None
+    assert load_judge(out / "judge", recipe.demo.judge)[0].star_check is not None  # the run's own, untouched
 
 
 @pytest.fixture(scope="module")

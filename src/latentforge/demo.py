@@ -149,7 +149,8 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
         encode_dataset(str(out / "raw-heldout"), str(out / "latents-heldout"), enc_cfg, progress=False)
     st.done()
 
-    st.start("judge", ("load the pinned judge" if recipe.demo.pinned_judge else "train the judge")
+    st.start("judge", ("load the pinned judge (trained here instead if it is not this run's)" if recipe.demo.pinned_judge
+                       else "train the judge")
              + " and validate it on clean, degraded and VAE-decoded renders")
     judge, judge_report = _judge(recipe, out, vae_dir)
     st.done()
@@ -226,11 +227,12 @@ def _autoencoder(vae: Any) -> Any:
 
 
 def _judge(recipe: Any, out: Path, vae_dir: Path, judge_dir: Path | None = None) -> tuple[Any, dict[str, Any]]:
-    """The judge at the recipe's settings: ``demo.pinned_judge`` when it was trained on exactly this
-    run's inputs, else trained here; validated at the same settings on fresh renders (clean, blurred,
-    down/up-sampled, through the demo's VAE: the ceiling of any denoiser). Saved in ``judge_dir``
-    (default ``out/judge``): a rerun, and ``demo --rescore``, use the saved judge while its settings
-    and data stay those of the recipe."""
+    """The judge at the recipe's settings: the weights of the run's own judge (``out/judge``) when
+    only the scoring settings differ (the floor, the outline checks: a rescore), else
+    ``demo.pinned_judge`` when it was trained on exactly this run's inputs, else trained here;
+    validated at the recipe's settings on fresh renders (clean, blurred, down/up-sampled, through the
+    demo's VAE: the ceiling of any denoiser). Saved in ``judge_dir`` (default ``out/judge``): a rerun,
+    and ``demo --rescore``, use the saved judge while its settings and data stay those of the recipe."""
     from latentforge.evaluate.judge import build_judge, load_judge, save_judge, validate_judge
     from latentforge.models.autoencoder import load_vae
 
@@ -242,7 +244,9 @@ def _judge(recipe: Any, out: Path, vae_dir: Path, judge_dir: Path | None = None)
     if saved is not None:
         return saved
     t0 = time.perf_counter()
-    pinned = _pinned_judge(recipe, out)
+    own = None if judge_dir == out / "judge" else load_judge(out / "judge", recipe.demo.judge, trained_on, defaults,
+                                                              weights_only=True)
+    pinned = _scored_at(own, recipe) if own is not None else _pinned_judge(recipe, out)
     if pinned is not None:
         judge, report = pinned
     else:
@@ -275,9 +279,10 @@ def _pinned_trained_on(recipe: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _pinned_judge(recipe: Any, out: Path) -> tuple[Any, dict[str, Any]] | None:
     """``demo.pinned_judge`` and its report when it is the judge this run would train: the same
-    ``demo.judge`` settings, synth settings and resolution, and the same SHA-256 of its training inputs
-    (this run's renders, the non-shapes, the targets); ``None`` when none is set or it differs (said on
-    stderr: the run then trains its own)."""
+    ``demo.judge`` training settings (its scoring settings, the floor and the outline checks, are the
+    run's: they do not change the weights), synth settings and resolution, and the same SHA-256 of its
+    training inputs (this run's renders, the non-shapes, the targets); ``None`` when none is set or it
+    differs (said on stderr: the run then trains its own)."""
     import sys
 
     from latentforge.evaluate.judge import JUDGE_META, JUDGE_WEIGHTS, load_judge, training_fingerprint
@@ -288,12 +293,12 @@ def _pinned_judge(recipe: Any, out: Path) -> tuple[Any, dict[str, Any]] | None:
     if not (d / JUDGE_META).is_file() or not (d / JUDGE_WEIGHTS).is_file():
         raise UserError(f"demo.pinned_judge: no judge in {d} ({JUDGE_WEIGHTS} and {JUDGE_META}); write one with "
                         f"`latentforge demo --pin-judge {d}`, or set demo.pinned_judge= to train the judge in the run")
-    loaded = load_judge(d, recipe.demo.judge, *_pinned_trained_on(recipe))
+    loaded = load_judge(d, recipe.demo.judge, *_pinned_trained_on(recipe), weights_only=True)
     if loaded is None:
         print(f"demo: the pinned judge {d} was trained at other demo.judge or synth settings than this run's: "
               "training the judge here", file=sys.stderr, flush=True)
         return None
-    judge, report = loaded
+    judge, report = _scored_at(loaded, recipe)
     size = recipe.ingest.image.resolution
     found = training_fingerprint([out / "synth"], size, recipe.demo.judge)
     if report.get("training_sha256") != found:
@@ -302,6 +307,16 @@ def _pinned_judge(recipe: Any, out: Path) -> tuple[Any, dict[str, Any]] | None:
               "code): training the judge here", file=sys.stderr, flush=True)
         return None
     return judge, {**report, "pinned": recipe.demo.pinned_judge, "pinned_dir": str(d)}
+
+
+def _scored_at(loaded: tuple[Any, dict[str, Any]], recipe: Any) -> tuple[Any, dict[str, Any]]:
+    """A judge loaded with ``weights_only`` and its training record, at the recipe's scoring settings
+    (the record's figures of other settings, its validation, are left out: the caller validates)."""
+    judge, report = loaded
+    report = {k: v for k, v in report.items() if k not in ("circle_check", "star_check", "floor", "validation",
+                                                              "validate_seconds")}
+    report.update(circle_check=judge.circle_check, star_check=judge.star_check, floor=recipe.demo.judge.floor)
+    return judge, report
 
 
 def pin_judge(recipe: Any, out_dir: str | Path, progress: bool = True) -> tuple[Path, dict[str, Any]]:
@@ -508,9 +523,11 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
     number of steps than the demo's; grids, verdicts, evaluation.json) and is kept by
     a rerun with the same settings; the table of all of them to ``OUT/rescore/rescore.md`` and
     ``results.json``. At the recipe's own scale it gives the figures of the demo's report. Other
-    ``demo.judge.*`` settings train their own judge into ``OUT/rescore/judge-TAG/`` (TAG: a hash of
-    the settings) and score into ``OUT/rescore/judge-TAG-guidance-G/``; the run's own judge
-    (``OUT/judge``) and evaluations are never replaced."""
+    ``demo.judge.*`` settings get their own judge in ``OUT/rescore/judge-TAG/`` (TAG: a hash of the
+    settings; the run's weights when only the floor or the outline checks differ, else trained, or the
+    pinned judge if it is theirs), validated at those settings, and score into
+    ``OUT/rescore/judge-TAG-guidance-G/``; the run's own judge (``OUT/judge``) and evaluations are
+    never replaced."""
     from latentforge.recipe import load_recipe
     from latentforge.storage import atomic_write_bytes
 
@@ -530,12 +547,13 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
         raise UserError(f"--rescore scores the exported model as it is: only demo.* settings (not "
                         f"demo.guidance_scale, given by --rescore) can change; got {bad}")
     recipe, ran = load_recipe(str(out / "recipe.yaml"), overrides), load_recipe(str(out / "recipe.yaml"))
-    # A judge of other settings is trained beside the run's own, never over it: the report's figures
-    # stay reproducible from out/judge.
+    # A judge of other settings is saved beside the run's own, never over it: the report's figures
+    # stay reproducible from out/judge. Other scoring settings only (the floor, the outline checks) keep
+    # the run's weights; other training settings train a judge (or take the pinned one, if it is theirs).
     judge_tag = "" if recipe.demo.judge == ran.demo.judge else f"judge-{_settings_tag(recipe.demo.judge)}"
     judge_dir = out / RESCORE_DIR / judge_tag if judge_tag else out / "judge"
     if progress:
-        print(f"rescore: {out}, the judge of {judge_dir} (trained if missing)", flush=True)
+        print(f"rescore: {out}, the judge of {judge_dir} (made if missing)", flush=True)
     judge, judge_report = _judge(recipe, out, out / "vae", judge_dir)
     rows = []
     own = (recipe.demo.sampler, recipe.demo.num_steps) == (_exported_sampler(out), ran.demo.num_steps)

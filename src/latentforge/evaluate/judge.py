@@ -698,6 +698,10 @@ def validate_judge(model: Judge | JudgeEnsemble, check_dir: Path, size: int, cfg
 
 
 JUDGE_WEIGHTS, JUDGE_META = "judge.safetensors", "judge.json"
+# The settings that act on the trained weights' outputs only (the confidence floor, the outline checks): a
+# judge trained at other values of these has the same weights.
+SCORING_SETTINGS = ("floor", "circle_check", "circle_max_corners", "circle_min_ratio", "circle_max_edge",
+                    "star_check", "star_min_points", "star_max_edge")
 
 
 def save_judge(model: Judge | JudgeEnsemble, cfg: JudgeConfig, report: dict, out_dir: str | Path,
@@ -732,12 +736,14 @@ def _as_json(x: Any) -> Any:
 
 
 def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: dict | None = None,
-               defaults: dict | None = None) -> tuple[Judge | JudgeEnsemble, dict] | None:
+               defaults: dict | None = None, weights_only: bool = False) -> tuple[Judge | JudgeEnsemble, dict] | None:
     """The judge that :func:`save_judge` wrote and its report; ``None`` when ``out_dir`` holds none,
     or one of another config than ``cfg`` or trained on other data than ``trained_on`` (the caller
     trains a new one). A setting that the saved record lacks (a field added to a config since)
     counts as its value in ``defaults`` (``trained_on`` of default configs) or :class:`JudgeConfig`'s
-    default, so a new field at its default keeps a saved judge. Reads safetensors and JSON only."""
+    default, so a new field at its default keeps a saved judge. With ``weights_only`` the
+    :data:`SCORING_SETTINGS` of ``cfg`` may differ and are the loaded judge's (its weights are the
+    same; its saved report's figures are then not this config's). Reads safetensors and JSON only."""
     from latentforge.checkpoint import load_safetensors
 
     d = Path(out_dir)
@@ -747,7 +753,10 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: 
         meta = json.loads((d / JUDGE_META).read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{d / JUDGE_META}: not valid JSON ({e.msg}); delete {d} to train the judge again") from None
-    if cfg is not None and with_defaults(meta.get("config"), _as_json(asdict(JudgeConfig()))) != _as_json(asdict(cfg)):
+    saved_cfg, wanted = with_defaults(meta.get("config"), _as_json(asdict(JudgeConfig()))), _as_json(asdict(cfg or JudgeConfig()))
+    ignored = SCORING_SETTINGS if weights_only else ()
+    if cfg is not None and ({k: v for k, v in saved_cfg.items() if k not in ignored}
+                            != {k: v for k, v in wanted.items() if k not in ignored}):
         return None
     if trained_on is not None and (with_defaults(meta.get("trained_on"), _as_json(defaults or {}))
                                    != _as_json(trained_on)):
@@ -766,7 +775,8 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: 
                             f"({str(e).splitlines()[0]}); delete {d} to train the judge again") from None
         members.append(m.eval())
     model = members[0] if len(members) == 1 else JudgeEnsemble(members).eval()
-    model.circle_check, model.star_check = circle_rule(meta.get("config") or {}), star_rule(meta.get("config") or {})
+    rules = cfg if (weights_only and cfg is not None) else (meta.get("config") or {})
+    model.circle_check, model.star_check = circle_rule(rules), star_rule(rules)
     return model, meta["report"]
 
 
