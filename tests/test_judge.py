@@ -456,7 +456,7 @@ def test_the_shipped_pinned_judge_learned_from_the_inputs_the_recipe_gives(tmp_p
 @pytest.mark.slow
 def test_the_pinned_judge_is_the_judge_the_recipe_trains_here(tmp_path, demo_judge):
     """Trained again from the recipe on this machine, the judge is the pinned one bit for bit (the judge trains on
-    ``demo.judge.threads`` threads; another CPU's kernels may differ in the last bits, and then so would this)."""
+    ``demo.judge.threads`` threads; on another CPU, whose kernels may differ in the last bits, this test may fail)."""
     judge, recipe = demo_judge
     generate(tmp_path / "synth", recipe.synth, progress=False)
     again, _ = build_judge([tmp_path / "synth"], recipe.ingest.image.resolution, recipe.demo.judge)
@@ -592,8 +592,10 @@ _TINY_JUDGE = ["synth.num=48", "synth.num_heldout=12", "synth.image_size=32", "i
 
 def test_a_pinned_judge_is_used_only_where_the_run_would_train_the_same_judge(tmp_path, capsys, monkeypatch, one_thread):
     """``latentforge demo --pin-judge DIR`` trains the judge a run of the recipe would train; the run scores with
-    it (no training) when its settings and the SHA-256 of its training inputs are the run's, trains its own and
-    says why when either differs, and stops with one line when the pinned directory holds no judge."""
+    it (no training) when its training settings and the SHA-256 of its training inputs are the run's (other scoring
+    settings: the same weights, scored at the run's), trains its own and says why when either differs, and stops
+    with one line when the pinned directory holds no judge; a rescore at other scoring settings keeps the run's
+    weights."""
     from latentforge.cli import main
     from latentforge.demo import _judge, _pinned_judge
     from latentforge.recipe import load_recipe

@@ -57,7 +57,8 @@ class DemoConfig:
     pinned_judge: str = field(default="", metadata={
         "help": "a judge trained ahead of the run (`latentforge demo --pin-judge DIR`): a directory, or the name of one "
                 "shipped in recipes/judges/ (e.g. tiny-cpu). Used, and validated, instead of training one when it was "
-                "trained at these demo.judge settings on exactly this run's training inputs (the same synth settings, "
+                "trained at these demo.judge training settings (the floor and the outline checks are the run's) on "
+                "exactly this run's training inputs (the same synth settings, "
                 "the same SHA-256 of its renders, non-shapes and targets); otherwise the run trains its own and says why. "
                 "A relative path is from the working directory; empty = always train"})
     labelled: str = field(default="", metadata={
@@ -262,7 +263,8 @@ def _judge(recipe: Any, out: Path, vae_dir: Path, judge_dir: Path | None = None)
 
 def pinned_judge_dir(name_or_path: str) -> Path:
     """A directory, or the name of a judge shipped in ``recipes/judges/`` (``tiny-cpu`` ->
-    ``recipes/judges/tiny-cpu``)."""
+    ``recipes/judges/tiny-cpu``); an existing directory of that name (from the working directory)
+    comes first."""
     from latentforge.recipe import RECIPES_DIR
 
     path = Path(name_or_path)
@@ -281,8 +283,9 @@ def _pinned_judge(recipe: Any, out: Path) -> tuple[Any, dict[str, Any]] | None:
     """``demo.pinned_judge`` and its report when it is the judge this run would train: the same
     ``demo.judge`` training settings (its scoring settings, the floor and the outline checks, are the
     run's: they do not change the weights), synth settings and resolution, and the same SHA-256 of its
-    training inputs (this run's renders, the non-shapes, the targets); ``None`` when none is set or it
-    differs (said on stderr: the run then trains its own)."""
+    training inputs (this run's renders, the non-shapes, the targets); ``None`` when none is set, or
+    when it differs (said on stderr: the run then trains its own); a :class:`UserError` when the
+    directory holds no judge."""
     import sys
 
     from latentforge.evaluate.judge import JUDGE_META, JUDGE_WEIGHTS, load_judge, training_fingerprint

@@ -374,10 +374,11 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
 
 
 def training_fingerprint(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig) -> str:
-    """SHA-256 of everything :func:`build_judge` would learn from at ``cfg``: each member's training
-    images (the real renders of ``train_dirs``, the non-shapes, the resized shapes) and targets, in
-    order. Equal fingerprints and equal configs mean the same training inputs, so a judge trained
-    elsewhere on them (a pinned judge) is the judge of these renders; a few seconds, no training."""
+    """SHA-256 of the inputs :func:`build_judge` learns from at ``cfg``: each member's images before
+    augmentation (the real renders of ``train_dirs``, the non-shapes, the resized shapes) and targets,
+    in order. Equal fingerprints and configs mean the same inputs: with the same training code and
+    kernels, a judge trained elsewhere on them (a pinned judge) is the judge of these renders. A few
+    seconds, no training; the training code itself is not covered."""
     cfg.validate()
     return _fingerprint(_member_sets([load_labelled(Path(d), size) for d in train_dirs], size, cfg))
 
@@ -698,8 +699,8 @@ def validate_judge(model: Judge | JudgeEnsemble, check_dir: Path, size: int, cfg
 
 
 JUDGE_WEIGHTS, JUDGE_META = "judge.safetensors", "judge.json"
-# The settings that act on the trained weights' outputs only (the confidence floor, the outline checks): a
-# judge trained at other values of these has the same weights.
+# The settings that act after the weights only (the confidence floor on their softmax; the outline checks on
+# their verdict and the image): a judge trained at other values of these has the same weights.
 SCORING_SETTINGS = ("floor", "circle_check", "circle_max_corners", "circle_min_ratio", "circle_max_edge",
                     "star_check", "star_min_points", "star_max_edge")
 
@@ -742,8 +743,9 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: 
     trains a new one). A setting that the saved record lacks (a field added to a config since)
     counts as its value in ``defaults`` (``trained_on`` of default configs) or :class:`JudgeConfig`'s
     default, so a new field at its default keeps a saved judge. With ``weights_only`` the
-    :data:`SCORING_SETTINGS` of ``cfg`` may differ and are the loaded judge's (its weights are the
-    same; its saved report's figures are then not this config's). Reads safetensors and JSON only."""
+    :data:`SCORING_SETTINGS` of ``cfg`` may differ from the saved ones: the loaded judge gets ``cfg``'s
+    outline checks (the floor is the caller's), and its saved report's figures are then not ``cfg``'s.
+    Reads safetensors and JSON only."""
     from latentforge.checkpoint import load_safetensors
 
     d = Path(out_dir)
@@ -753,11 +755,12 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: 
         meta = json.loads((d / JUDGE_META).read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{d / JUDGE_META}: not valid JSON ({e.msg}); delete {d} to train the judge again") from None
-    saved_cfg, wanted = with_defaults(meta.get("config"), _as_json(asdict(JudgeConfig()))), _as_json(asdict(cfg or JudgeConfig()))
-    ignored = SCORING_SETTINGS if weights_only else ()
-    if cfg is not None and ({k: v for k, v in saved_cfg.items() if k not in ignored}
-                            != {k: v for k, v in wanted.items() if k not in ignored}):
-        return None
+    if cfg is not None:
+        ignored = SCORING_SETTINGS if weights_only else ()
+        saved_cfg = with_defaults(meta.get("config"), _as_json(asdict(JudgeConfig())))
+        if ({k: v for k, v in saved_cfg.items() if k not in ignored}
+                != {k: v for k, v in _as_json(asdict(cfg)).items() if k not in ignored}):
+            return None
     if trained_on is not None and (with_defaults(meta.get("trained_on"), _as_json(defaults or {}))
                                    != _as_json(trained_on)):
         return None
