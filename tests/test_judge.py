@@ -628,6 +628,17 @@ def test_a_pinned_judge_is_used_only_where_the_run_would_train_the_same_judge(tm
     generate(other / "synth", replace(recipe.synth, seed=recipe.synth.seed + 1), progress=False)
     assert _pinned_judge(recipe, other) is None
     assert "learned from other inputs" in capsys.readouterr().err
+    # the same settings and renders, other training code (here: no augmentation): the probe's weights differ
+    import latentforge.evaluate.judge as judge_module
+    from latentforge.evaluate.judge import training_fingerprint
+
+    fingerprint = training_fingerprint([out / "synth"], 32, recipe.demo.judge)
+    assert fingerprint == report["training_sha256"]
+    with monkeypatch.context() as m:
+        m.setattr(judge_module, "_augment", lambda x, cfg, g: (x, torch.zeros(len(x), dtype=torch.bool)))
+        assert training_fingerprint([out / "synth"], 32, recipe.demo.judge) != fingerprint
+        assert _pinned_judge(recipe, out) is None
+    assert "learned from other inputs" in capsys.readouterr().err
     # none there: one line
     with pytest.raises(UserError, match="no judge in"):
         _pinned_judge(load_recipe("tiny-cpu", [*_TINY_JUDGE, f"demo.pinned_judge={tmp_path / 'none'}"]), out)

@@ -59,7 +59,8 @@ class DemoConfig:
                 "shipped in recipes/judges/ (e.g. tiny-cpu). Used, and validated, instead of training one when it was "
                 "trained at these demo.judge training settings (the floor and the outline checks are the run's) on "
                 "exactly this run's training inputs (the same synth settings, "
-                "the same SHA-256 of its renders, non-shapes and targets); otherwise the run trains its own and says why. "
+                "the same SHA-256 of its renders, non-shapes, targets and a probe of its training); otherwise the run trains "
+                "its own and says why. "
                 "A relative path is from the working directory; empty = always train"})
     labelled: str = field(default="", metadata={
         "help": "a folder of generated images labelled by eye (provenance.jsonl and labels-1.jsonl, ...: "
@@ -283,7 +284,7 @@ def _pinned_judge(recipe: Any, out: Path) -> tuple[Any, dict[str, Any]] | None:
     """``demo.pinned_judge`` and its report when it is the judge this run would train: the same
     ``demo.judge`` training settings (its scoring settings, the floor and the outline checks, are the
     run's: they do not change the weights), synth settings and resolution, and the same SHA-256 of its
-    training inputs (this run's renders, the non-shapes, the targets); ``None`` when none is set, or
+    training inputs and of a probe of its training (:func:`training_fingerprint`); ``None`` when none is set, or
     when it differs (said on stderr: the run then trains its own); a :class:`UserError` when the
     directory holds no judge."""
     import sys
@@ -305,9 +306,9 @@ def _pinned_judge(recipe: Any, out: Path) -> tuple[Any, dict[str, Any]] | None:
     size = recipe.ingest.image.resolution
     found = training_fingerprint([out / "synth"], size, recipe.demo.judge)
     if report.get("training_sha256") != found:
-        print(f"demo: the pinned judge {d} learned from other inputs than this run's (SHA-256 "
-              f"{str(report.get('training_sha256'))[:12]} against {found[:12]}: another renderer or non-shape "
-              "code): training the judge here", file=sys.stderr, flush=True)
+        print(f"demo: the pinned judge {d} learned from other inputs, or by other training code, than this run's "
+              f"(SHA-256 {str(report.get('training_sha256'))[:12]} against {found[:12]}: another renderer, non-shape "
+              "or training code): training the judge here", file=sys.stderr, flush=True)
         return None
     return judge, {**report, "pinned": recipe.demo.pinned_judge, "pinned_dir": str(d)}
 

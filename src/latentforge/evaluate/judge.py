@@ -352,11 +352,12 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
     ``cfg.ensemble`` K > 1, K judges with seeds ``cfg.seed`` ... ``cfg.seed + K - 1`` as one
     :class:`JudgeEnsemble` (its first member is the judge that K = 1 gives). Trained on
     ``cfg.threads`` threads whatever the caller set (restored afterwards). The report's
-    ``training_sha256`` is :func:`training_fingerprint` of what it learned from."""
+    ``training_sha256`` is :func:`training_fingerprint` of what it learned from and how."""
     cfg.validate()
     t0 = time.perf_counter()
     parts = [load_labelled(Path(d), size) for d in train_dirs]
     sets = _member_sets(parts, size, cfg)
+    fingerprint = _fingerprint(sets, cfg)  # before training: the probe starts from the untrained models
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
@@ -369,28 +370,45 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
     report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": cfg.num_nonshapes,
               "train_resized": cfg.num_resized, "circle_check": model.circle_check, "star_check": model.star_check,
               "members": len(members), "seconds": round(time.perf_counter() - t0, 1), "floor": cfg.floor,
-              "classes": model.classes, "training_sha256": _fingerprint(sets)}
+              "classes": model.classes, "training_sha256": fingerprint}
     return model, report
 
 
 def training_fingerprint(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig) -> str:
-    """SHA-256 of the inputs :func:`build_judge` learns from at ``cfg``: each member's images before
+    """SHA-256 of what :func:`build_judge` learns from at ``cfg`` and how: each member's images before
     augmentation (the real renders of ``train_dirs``, the non-shapes, the resized shapes) and targets,
-    in order. Equal fingerprints and configs mean the same inputs: with the same training code and
-    kernels, a judge trained elsewhere on them (a pinned judge) is the judge of these renders. A few
-    seconds, no training; the training code itself is not covered."""
+    in order, and the weights after a probe of :data:`PROBE_STEPS` training steps from each member's
+    untrained model on its first images (the model, its initialisation, the augmentation, the loss and
+    the optimizer, on ``cfg.threads`` threads). Equal fingerprints and configs mean the same inputs and
+    the same training arithmetic, so a judge trained elsewhere on them (a pinned judge) is the judge of
+    these renders, as far as those steps show. A few seconds, no full training."""
     cfg.validate()
-    return _fingerprint(_member_sets([load_labelled(Path(d), size) for d in train_dirs], size, cfg))
+    return _fingerprint(_member_sets([load_labelled(Path(d), size) for d in train_dirs], size, cfg), cfg)
 
 
-def _fingerprint(sets: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor], Judge]]) -> str:
+PROBE_STEPS = 8  # the fingerprint's training probe: 2 epochs of 4 batches
+
+
+def _fingerprint(sets: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor], Judge]], cfg: JudgeConfig) -> str:
+    import copy
     import hashlib
 
     h = hashlib.sha256()
-    for x, labels, _ in sets:
-        h.update(x.contiguous().numpy().tobytes())
-        for a in ATTRIBUTES:
-            h.update(labels[a].numpy().astype("<i8").tobytes())
+    n = PROBE_STEPS // 2 * cfg.batch_size
+    before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        for i, (x, labels, model) in enumerate(sets):
+            h.update(x.contiguous().numpy().tobytes())
+            for a in ATTRIBUTES:
+                h.update(labels[a].numpy().astype("<i8").tobytes())
+            probe = train_judge(x[:n], {a: labels[a][:n] for a in ATTRIBUTES}, copy.deepcopy(model),
+                                replace(cfg, seed=cfg.seed + i, epochs=2))
+            for k, v in probe.state_dict().items():
+                h.update(k.encode())
+                h.update(v.detach().contiguous().numpy().tobytes())
+    finally:
+        torch.set_num_threads(before)
     return h.hexdigest()
 
 
