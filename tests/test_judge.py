@@ -437,8 +437,9 @@ def demo_judge():
 
 def test_the_shipped_pinned_judge_learned_from_the_inputs_the_recipe_gives(tmp_path):
     """The pinned judge's record names the recipe's judge and synth settings, and the SHA-256 of its training inputs
-    (renders, non-shapes, targets) equals what this code draws for the recipe now: a change to the renderer, the
-    non-shapes or the targets that would train another judge fails here (then pin again)."""
+    (renders, non-shapes, targets) and of its training probe (8 steps) equals what this code draws and trains for the
+    recipe now: a change to the renderer, the non-shapes, the targets or the training code that would train another
+    judge fails here, as far as the probe's steps show it (then pin again)."""
     from latentforge.demo import _pinned_trained_on, pinned_judge_dir
     from latentforge.evaluate.judge import training_fingerprint
     from latentforge.recipe import load_recipe
