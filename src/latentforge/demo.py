@@ -239,8 +239,8 @@ def _judge(recipe: Any, out: Path, vae_dir: Path, judge_dir: Path | None = None)
     from latentforge.models.autoencoder import load_vae
 
     size = recipe.ingest.image.resolution
-    trained_on = {"synth": asdict(recipe.synth), "size": size, "vae": asdict(recipe.vae)}  # the VAE: its validation
-    defaults = {"synth": asdict(type(recipe.synth)()), "vae": asdict(type(recipe.vae)())}
+    trained_on, defaults = _pinned_trained_on(recipe)  # what the weights depend on; the VAE: the validation's
+    trained_on, defaults = {**trained_on, "vae": asdict(recipe.vae)}, {**defaults, "vae": asdict(type(recipe.vae)())}
     judge_dir = judge_dir or out / "judge"
     saved = load_judge(judge_dir, recipe.demo.judge, trained_on, defaults)
     if saved is not None:

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -357,14 +358,10 @@ def build_judge(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig,
     t0 = time.perf_counter()
     parts = [load_labelled(Path(d), size) for d in train_dirs]
     sets = _member_sets(parts, size, cfg)
-    fingerprint = _fingerprint(sets, cfg)  # before training: the probe starts from the untrained models
-    before = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
+    with _threads(cfg.threads):
+        fingerprint = _fingerprint(sets, cfg)  # before training: the probe starts from the untrained models
         members = [train_judge(x, labels, model, replace(cfg, seed=cfg.seed + i), progress=progress)
                    for i, (x, labels, model) in enumerate(sets)]
-    finally:
-        torch.set_num_threads(before)
     model = members[0] if len(members) == 1 else JudgeEnsemble(members)
     model.circle_check, model.star_check = circle_rule(cfg), star_rule(cfg)
     report = {"train_images": sum(len(p[0]) for p in parts), "train_nonshapes": cfg.num_nonshapes,
@@ -383,32 +380,41 @@ def training_fingerprint(train_dirs: Sequence[Path], size: int, cfg: JudgeConfig
     the same training arithmetic, so a judge trained elsewhere on them (a pinned judge) is the judge of
     these renders, as far as those steps show. A few seconds, no full training."""
     cfg.validate()
-    return _fingerprint(_member_sets([load_labelled(Path(d), size) for d in train_dirs], size, cfg), cfg)
+    sets = _member_sets([load_labelled(Path(d), size) for d in train_dirs], size, cfg)
+    with _threads(cfg.threads):
+        return _fingerprint(sets, cfg)
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """torch on ``n`` threads inside the block, the caller's count restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 PROBE_STEPS = 8  # the fingerprint's training probe: 2 epochs of 4 batches
 
 
 def _fingerprint(sets: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor], Judge]], cfg: JudgeConfig) -> str:
+    """:func:`training_fingerprint` of loaded member sets; the caller sets the thread count (``cfg.threads``)."""
     import copy
     import hashlib
 
     h = hashlib.sha256()
     n = PROBE_STEPS // 2 * cfg.batch_size
-    before = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
-        for i, (x, labels, model) in enumerate(sets):
-            h.update(x.contiguous().numpy().tobytes())
-            for a in ATTRIBUTES:
-                h.update(labels[a].numpy().astype("<i8").tobytes())
-            probe = train_judge(x[:n], {a: labels[a][:n] for a in ATTRIBUTES}, copy.deepcopy(model),
-                                replace(cfg, seed=cfg.seed + i, epochs=2))
-            for k, v in probe.state_dict().items():
-                h.update(k.encode())
-                h.update(v.detach().contiguous().numpy().tobytes())
-    finally:
-        torch.set_num_threads(before)
+    for i, (x, labels, model) in enumerate(sets):
+        h.update(x.contiguous().numpy().tobytes())
+        for a in ATTRIBUTES:
+            h.update(labels[a].numpy().astype("<i8").tobytes())
+        probe = train_judge(x[:n], {a: labels[a][:n] for a in ATTRIBUTES}, copy.deepcopy(model),
+                            replace(cfg, seed=cfg.seed + i, epochs=2))
+        for k, v in probe.state_dict().items():
+            h.update(k.encode())
+            h.update(v.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
