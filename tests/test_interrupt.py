@@ -330,3 +330,36 @@ def test_demo_interrupted_in_training_says_so_and_exits_75(tmp_path):
             in p.stdout.splitlines()), p.stdout[-2000:]
     assert "train.max_seconds" not in p.stdout + p.stderr
     assert checkpoint_steps(out / "run") == [5] and not (out / "results.json").exists()
+
+
+def test_the_demo_stopped_in_its_vae_or_encode_stage_exits_75_and_the_rerun_goes_on_from_there(tmp_path):
+    """SIGTERM in the demo's VAE training: its checkpoint is kept and the demo exits 75 with one line
+    (it used to read the missing metrics, a traceback, and the rerun started the VAE over). The rerun
+    resumes that checkpoint; SIGTERM while encoding stops the demo there too (it used to go on to the
+    judge and fail in training on a dataset without an index). A rerun whose VAE settings differ from
+    the finished VAE's is refused in one line (it used to reuse that VAE under the new recipe)."""
+    from golden import TINY
+
+    out = tmp_path / "demo"
+    args = ["demo", "--out", str(out), "--quiet", *TINY, "vae.steps=20", "encode.batch_size=16",
+            "train.eval.every_steps=0", "train.val.every_steps=0"]
+    p = subprocess.run([sys.executable, HOOKS, "vae_step=5:SIGTERM", *args], env=ENV, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == EXIT_INTERRUPTED, p.stderr[-3000:]
+    assert p.stdout.splitlines()[-1] == ("demo: interrupted by SIGTERM at step 5 of the VAE's training; "
+                                         "rerun the same command to go on"), p.stdout[-2000:]
+    assert ckpt.load_checkpoint(ckpt.find_latest(out / "vae")).step == 5 and not (out / "latents").exists()
+
+    p = subprocess.run([sys.executable, HOOKS, "encode_batch=1:SIGTERM", *args], env=ENV, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == EXIT_INTERRUPTED, p.stderr[-3000:]
+    assert f"resuming from {out}/vae/checkpoints/step-00000005" in p.stdout.splitlines()
+    assert p.stdout.splitlines()[-1] == "demo: interrupted by SIGTERM while encoding; rerun the same command to go on"
+    assert (out / "vae" / "metrics.json").is_file() and not (out / "vae" / ckpt.CHECKPOINTS).exists()
+    assert not (out / "judge").exists() and not (out / "latents" / "index.json").exists()
+
+    p = subprocess.run([sys.executable, HOOKS, "", *args, "vae.lr=1e-3"], env=ENV, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip() == (f"latentforge: error: {out}/vae: holds a VAE trained with another lr "
+                                "(train_vae_config.yaml); use another --out or delete it")

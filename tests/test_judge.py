@@ -644,6 +644,18 @@ def test_a_pinned_judge_is_used_only_where_the_run_would_train_the_same_judge(tm
     with pytest.raises(UserError, match="no judge in"):
         _pinned_judge(load_recipe("tiny-cpu", [*_TINY_JUDGE, f"demo.pinned_judge={tmp_path / 'none'}"]), out)
     assert _pinned_judge(load_recipe("tiny-cpu", [*_TINY_JUDGE, "demo.pinned_judge="]), out) is None
+    # a damaged record: one line that says how to mend a pinned judge (pin it again), or a run's own (delete it)
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(pinned, damaged)
+    (damaged / "judge.json").write_text('{"config": {}}')
+    with pytest.raises(UserError, match=r"judge.json: not a judge record \(no classes, members, width, report\); "
+                                        r"write it again with `latentforge demo --pin-judge .*damaged`"):
+        _pinned_judge(load_recipe("tiny-cpu", [*_TINY_JUDGE, f"demo.pinned_judge={damaged}"]), out)
+    (damaged / "judge.json").write_text("{")
+    with pytest.raises(UserError, match=r"judge.json: not valid JSON .*; delete .*damaged to train the judge again"):
+        load_judge(damaged)
     assert main(["demo", "--pin-judge", str(pinned), "--rescore", "2"]) == 2
     assert "give one" in capsys.readouterr().err
 

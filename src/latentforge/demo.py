@@ -113,11 +113,10 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     from latentforge.data.ingest import ingest
     from latentforge.data.synth import generate
     from latentforge.train.run import RunConfig, train
-    from latentforge.train.vae import train_vae
+    from latentforge.train.vae import check_trained_as, is_complete, train_vae
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_config(recipe, out / "recipe.yaml")
     st = _Stages(9, progress)
 
     st.start("synth", "generate the built-in dataset")
@@ -134,22 +133,32 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
 
     st.start("train_vae", "train the VAE from scratch")
     vae_dir = out / "vae"
-    if not (vae_dir / "metrics.json").exists():
-        shutil.rmtree(vae_dir, ignore_errors=True)  # an unfinished attempt
-        vae_cfg = replace(recipe.vae, data=replace(recipe.vae.data, datasets=[StreamConfig(path=str(out / "raw"))],
-                                                   cache_dir=str(out / "cache")),
-                          eval_dataset=str(out / "raw-heldout"))
-        train_vae(vae_cfg, vae_dir, progress=progress)
+    vae_cfg = replace(recipe.vae, data=replace(recipe.vae.data, datasets=[StreamConfig(path=str(out / "raw"))],
+                                               cache_dir=str(out / "cache")),
+                      eval_dataset=str(out / "raw-heldout"))
+    if is_complete(vae_dir):
+        check_trained_as(vae_dir, vae_cfg)  # a finished VAE of other settings is not this run's
+    else:  # new, or an attempt that was stopped: train_vae goes on from its last checkpoint
+        trained = train_vae(vae_cfg, vae_dir, progress=progress)
+        if trained.get("interrupted"):
+            return _interrupted(trained["interrupted"], f"at step {trained['steps']} of the VAE's training")
     vae_metrics = json.loads((vae_dir / "metrics.json").read_text())
     st.done()
 
     st.start("encode", "encode latents and text embeddings")
     enc_cfg = replace(recipe.encode, vae=str(vae_dir), text_encoder=recipe.encode.text_encoder or builtin_text_encoder())
     encode_summary = encode_dataset(str(out / "raw"), str(out / "latents"), enc_cfg, progress=progress)
-    if recipe.train.val.every_steps and not recipe.train.val.data:
+    stopped = encode_summary.get("interrupted")
+    if not stopped and recipe.train.val.every_steps and not recipe.train.val.data:
         # The held-out renders (combinations no training caption names) for the validation loss during training.
-        encode_dataset(str(out / "raw-heldout"), str(out / "latents-heldout"), enc_cfg, progress=False)
+        stopped = encode_dataset(str(out / "raw-heldout"), str(out / "latents-heldout"), enc_cfg,
+                                 progress=False).get("interrupted")
+    if stopped:  # the finished shards are kept: the rerun encodes the rest
+        return _interrupted(stopped, "while encoding")
     st.done()
+    # Once the stages that refuse other settings (synth, ingest, VAE, encode) have taken this recipe:
+    # a refused rerun leaves the record of the run in OUT alone.
+    save_config(recipe, out / "recipe.yaml")
 
     st.start("judge", ("load the pinned judge (trained here instead if it is not this run's)" if recipe.demo.pinned_judge
                        else "train the judge")
@@ -168,9 +177,7 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     train_summary = train(run_cfg, out / "run", resume="auto", progress=progress,
                           evaluator=_curve_evaluator(recipe, out, judge) if _curve_on(recipe) else None)
     if train_summary.get("interrupted"):  # a signal: the checkpoint is saved, the rerun goes on from it
-        print(f"demo: interrupted by {train_summary['interrupted']} at step {train_summary['step']} of the training; "
-              "rerun the same command to go on", flush=True)
-        return {"interrupted": train_summary["interrupted"]}
+        return _interrupted(train_summary["interrupted"], f"at step {train_summary['step']} of the training")
     if not train_summary["finished"]:
         raise UserError(f"training stopped at step {train_summary['step']} before the end of its phases "
                         "(train.max_seconds): rerun the demo to continue")
@@ -219,6 +226,12 @@ def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
         print(f"\n== done in {result['total_s']:.0f} s. Held-out prompts, both right: {cap['both']['rate']:.0%} "
               f"(caption wording){new_text}; chance {evaluation['chance']['both']:.1%}. Report: {out / 'report.md'}")
     return result
+
+
+def _interrupted(signal_name: str, where: str) -> dict[str, str]:
+    """A stage stopped by a signal with its work saved: one line, and the result that exits 75."""
+    print(f"demo: interrupted by {signal_name} {where}; rerun the same command to go on", flush=True)
+    return {"interrupted": signal_name}
 
 
 def _autoencoder(vae: Any) -> Any:
@@ -297,7 +310,9 @@ def _pinned_judge(recipe: Any, out: Path) -> tuple[Any, dict[str, Any]] | None:
     if not (d / JUDGE_META).is_file() or not (d / JUDGE_WEIGHTS).is_file():
         raise UserError(f"demo.pinned_judge: no judge in {d} ({JUDGE_WEIGHTS} and {JUDGE_META}); write one with "
                         f"`latentforge demo --pin-judge {d}`, or set demo.pinned_judge= to train the judge in the run")
-    loaded = load_judge(d, recipe.demo.judge, *_pinned_trained_on(recipe), weights_only=True)
+    loaded = load_judge(d, recipe.demo.judge, *_pinned_trained_on(recipe), weights_only=True,
+                        remedy=f"write it again with `latentforge demo --pin-judge {d}`, or set demo.pinned_judge= "
+                               "to train the judge in the run")
     if loaded is None:
         print(f"demo: the pinned judge {d} was trained at other demo.judge or synth settings than this run's: "
               "training the judge here", file=sys.stderr, flush=True)

@@ -761,7 +761,8 @@ def _as_json(x: Any) -> Any:
 
 
 def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: dict | None = None,
-               defaults: dict | None = None, weights_only: bool = False) -> tuple[Judge | JudgeEnsemble, dict] | None:
+               defaults: dict | None = None, weights_only: bool = False,
+               remedy: str = "") -> tuple[Judge | JudgeEnsemble, dict] | None:
     """The judge that :func:`save_judge` wrote and its report; ``None`` when ``out_dir`` holds none,
     or one of another config than ``cfg`` or trained on other data than ``trained_on`` (the caller
     trains a new one). A setting that the saved record lacks (a field added to a config since)
@@ -769,16 +770,21 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: 
     default, so a new field at its default keeps a saved judge. With ``weights_only`` the
     :data:`SCORING_SETTINGS` of ``cfg`` may differ from the saved ones: the loaded judge gets ``cfg``'s
     outline checks (the floor is the caller's), and its saved report's figures are then not ``cfg``'s.
-    Reads safetensors and JSON only."""
+    A record that cannot be read stops with one line ending in ``remedy`` (default: delete the
+    directory to train the judge again). Reads safetensors and JSON only."""
     from latentforge.checkpoint import load_safetensors
 
     d = Path(out_dir)
+    remedy = remedy or f"delete {d} to train the judge again"
     if not (d / JUDGE_META).is_file() or not (d / JUDGE_WEIGHTS).is_file():
         return None
     try:
         meta = json.loads((d / JUDGE_META).read_text())
     except json.JSONDecodeError as e:
-        raise UserError(f"{d / JUDGE_META}: not valid JSON ({e.msg}); delete {d} to train the judge again") from None
+        raise UserError(f"{d / JUDGE_META}: not valid JSON ({e.msg}); {remedy}") from None
+    missing = [k for k in ("classes", "members", "width", "report") if k not in meta] if isinstance(meta, dict) else []
+    if not isinstance(meta, dict) or missing:
+        raise UserError(f"{d / JUDGE_META}: not a judge record (no {', '.join(missing) or 'fields'}); {remedy}")
     if cfg is not None:
         ignored = SCORING_SETTINGS if weights_only else ()
         saved_cfg = with_defaults(meta.get("config"), _as_json(asdict(JudgeConfig())))
@@ -799,7 +805,7 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: 
             m.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
         except RuntimeError as e:
             raise UserError(f"{d / JUDGE_WEIGHTS}: does not fit the judge of {d / JUDGE_META} "
-                            f"({str(e).splitlines()[0]}); delete {d} to train the judge again") from None
+                            f"({str(e).splitlines()[0]}); {remedy}") from None
         members.append(m.eval())
     model = members[0] if len(members) == 1 else JudgeEnsemble(members).eval()
     rules = cfg if (weights_only and cfg is not None) else (meta.get("config") or {})

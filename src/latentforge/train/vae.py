@@ -15,7 +15,8 @@ Training is resumable: ``OUT/checkpoints/step-N/`` (the usual atomic checkpoints
 :mod:`latentforge.checkpoint`) hold the weights, AdamW and LR state, the posterior-noise
 generator, the RNG states and the loader cursor, every ``checkpoint_every_steps`` and when a
 signal stops the run (:mod:`latentforge.interrupt`: exit code 75); a rerun of the same command
-continues from the newest one, exactly. They are removed once the VAE directory is written.
+continues from the newest one, exactly. They are removed once the VAE directory is written;
+``metrics.json``, written last, marks it complete (:func:`is_complete`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from latentforge.train.rng import rng_state, set_rng_state
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "train_vae_config.yaml"
+METRICS_FILE = "metrics.json"  # written last: its presence means the VAE directory is complete
 # The layers that read the image in and write it out: on AdamW when the optimizer is Muon.
 VAE_EDGE_LAYERS = ("encoder.conv_in", "decoder.conv_out")
 
@@ -234,19 +236,39 @@ def train_vae(cfg: VAETrainConfig, out_dir: str | Path, progress: bool = True) -
         return _train_vae(cfg, Path(out_dir), progress, stop)
 
 
-def _check_same_config(out: Path, cfg: VAETrainConfig) -> None:
-    """A resume must train the same thing: everything but the stopping and logging knobs."""
-    free = ("steps", "max_seconds", "log_every", "checkpoint_every_steps", "interrupt", "device")
+_RUN_KNOBS = ("max_seconds", "log_every", "checkpoint_every_steps", "interrupt", "device")  # not in the weights
+
+
+def _config_diffs(out: Path, cfg: VAETrainConfig, free: tuple[str, ...]) -> list[str]:
     before = {k: v for k, v in to_dict(load_config(VAETrainConfig, out / CONFIG_FILE)).items() if k not in free}
     now = {k: v for k, v in to_dict(cfg).items() if k not in free}
-    diffs = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    return sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+
+
+def _check_same_config(out: Path, cfg: VAETrainConfig) -> None:
+    """A resume must train the same thing: everything but the stopping and logging knobs."""
+    diffs = _config_diffs(out, cfg, ("steps", *_RUN_KNOBS))
     if diffs:
         raise UserError(f"{out}: holds checkpoints of a train-vae with another {', '.join(diffs)} "
                         f"({CONFIG_FILE}); use another --out or restore the settings")
 
 
+def is_complete(out: str | Path) -> bool:
+    """Whether ``out`` holds a VAE that train-vae finished (its metrics, written last)."""
+    return (Path(out) / METRICS_FILE).is_file()
+
+
+def check_trained_as(out: str | Path, cfg: VAETrainConfig) -> None:
+    """A finished VAE in ``out`` is reused only where ``cfg`` would train the same one (every setting
+    but the stopping and logging knobs, its steps included); else one line naming what differs."""
+    diffs = _config_diffs(Path(out), cfg, _RUN_KNOBS)
+    if diffs:
+        raise UserError(f"{out}: holds a VAE trained with another {', '.join(diffs)} ({CONFIG_FILE}); "
+                        "use another --out or delete it")
+
+
 def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSignal) -> dict:
-    if (out / "config.json").exists():
+    if (out / METRICS_FILE).exists():
         raise UserError(f"{out}: already holds a VAE; choose another --out")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     torch.manual_seed(cfg.seed)
@@ -380,8 +402,10 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
         "num_heldout": 0 if eval_images is None else len(eval_images),
         "history": history,
     }
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     save_config(cfg, out / CONFIG_FILE)
-    vae.to("cpu").save_pretrained(out, safe_serialization=True)  # config.json: the VAE is complete
+    vae.to("cpu").save_pretrained(out, safe_serialization=True)
+    # The mark of a complete VAE, written last and atomically: a run killed before it leaves an
+    # unfinished directory, which the rerun finishes from the last checkpoint (still there).
+    storage.atomic_write_bytes(out / METRICS_FILE, json.dumps(metrics, indent=1).encode())
     shutil.rmtree(out / ckpt.CHECKPOINTS, ignore_errors=True)
     return metrics
