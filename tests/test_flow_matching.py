@@ -27,7 +27,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from latentforge.config import from_dict
-from latentforge.diffusion.flow_matching import resolution_shift, sample_flow_sigmas, shift_sigma
+from latentforge.diffusion.flow_matching import flow_pred_x0, resolution_shift, sample_flow_sigmas, shift_sigma
 from latentforge.diffusion.schedule import (
     NoiseScheduleConfig,
     check_scheduler_objective,
@@ -173,6 +173,37 @@ def test_trainer_draws_per_position_are_logit_normal_and_shifted():
     assert abs(z.mean() - 0.3) < 5 / math.sqrt(4000) and abs(z.std(ddof=1) - 1) < 5 / math.sqrt(8000)
     assert scipy.stats.kstest(z, "norm", args=(0.3, 1.0)).pvalue > 1e-4
     assert float(s.median()) > 0.75  # the shift moved the mass to high noise (median 0.84 for a = 4, m = 0.3)
+
+
+def test_a_shift_below_one_moves_the_drawn_sigmas_toward_clean():
+    """A shift under 1 (what ``resolution_shift`` gives a latent smaller than the base size) is applied
+    to the drawn sigmas too, by SD3's s' = a s / (1 + (a - 1) s): for a = 0.5, s' = 0.5 u / (1 - 0.5 u)
+    of the uniform draws u; through the trainer, an 8x8 latent at base size 16 gets a = 8 / 16 = 0.5."""
+    u = torch.rand(4, generator=torch.Generator().manual_seed(0))
+    shifted = sample_flow_sigmas(4, torch.Generator().manual_seed(0), "uniform", shift=0.5)
+    torch.testing.assert_close(shifted, 0.5 * u / (1 - 0.5 * u))
+    assert bool((shifted < u).all())  # toward clean, never left unshifted
+    trainer = make_trainer(Probe(), NoiseScheduleConfig(prediction_type="flow_matching", flow_time_sampling="uniform",
+                                                        flow_shift_base_size=16))
+    torch.testing.assert_close(trainer._flow_time((1, 8, 8))(torch.Generator().manual_seed(0)), shifted[:1])
+
+
+def test_the_shift_of_the_size_reads_the_height_and_the_width():
+    """The shift of a non-square latent is shift x sqrt(h w) / base: 4x16 and 16x4 at base 4 both give
+    sqrt(64) / 4 = 2 (SD3 section 5.3.2), so a uniform draw u becomes 2u / (1 + u) for both."""
+    trainer = make_trainer(Probe(), NoiseScheduleConfig(prediction_type="flow_matching", flow_time_sampling="uniform",
+                                                        flow_shift_base_size=4))
+    u = torch.rand(1, generator=torch.Generator().manual_seed(0))
+    for shape in ((1, 4, 16), (1, 16, 4)):
+        torch.testing.assert_close(trainer._flow_time(shape)(torch.Generator().manual_seed(0)), 2 * u / (1 + u))
+
+
+def test_x0_from_a_velocity_by_hand():
+    """On the straight path x_s = (1 - s) x0 + s eps with velocity v = eps - x0, x0 = x_s - s v: x0 = 1,
+    eps = 3, s = 0.25 give x_s = 1.5 and v = 2, so 1.5 - 0.25 * 2 = 1 (what diffusers' flow-prediction
+    solvers compute as sample - sigma * model_output)."""
+    one = torch.ones(1, 1, 1, 1)
+    assert flow_pred_x0(2 * one, 1.5 * one, torch.tensor([0.25])).item() == 1.0
 
 
 def test_sampling_is_reproducible_from_the_generator_only():

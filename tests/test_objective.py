@@ -359,6 +359,11 @@ def test_sample_noise_statistics_and_roles():
     shift = with_offset - noise  # the base draw is the same; the difference is the offset
     assert torch.allclose(shift, shift[:, :, :1, :1].expand_as(shift), atol=1e-6)
     assert abs(shift[:, :, 0, 0].std().item() - 0.3) < 0.01
+    # one offset per sample and channel (Guttenberg's noise + 0.1 * randn(b, c, 1, 1)), drawn independently:
+    # the channels' offsets uncorrelated (standard error 1 / sqrt(4000) = 0.016), not one offset per sample
+    offsets = shift[:, :, 0, 0].T
+    assert not torch.allclose(offsets[0], offsets[1])
+    assert abs(torch.corrcoef(offsets)[0, 1].item()) < 0.08
 
 
 def test_sample_noise_is_a_function_of_the_position():
