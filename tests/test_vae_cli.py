@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from latentforge.cli import main
 from latentforge.errors import ConfigError, UserError
 from latentforge.data.loader import LoaderConfig, StreamConfig
 from latentforge.models.autoencoder import load_vae
-from latentforge.train.vae import VAETrainConfig, psnr, train_vae
+from latentforge.train.vae import VAETrainConfig, check_trained_as, is_complete, psnr, train_vae
 
 from tiny_models import make_raw_dataset
 
@@ -69,6 +70,19 @@ def test_train_vae_measures_its_scale_factor(tmp_path):
     assert (tmp_path / "vae" / "train_vae_config.yaml").exists()
     with pytest.raises(UserError, match="already holds a VAE; choose another --out"):
         train_vae(cfg, tmp_path / "vae", progress=False)
+    # metrics.json is the mark of a complete VAE, written last: the demo reuses such a VAE only for the same settings
+    assert is_complete(tmp_path / "vae")
+    check_trained_as(tmp_path / "vae", cfg)
+    with pytest.raises(UserError, match=r"vae: holds a VAE trained with another lr, steps \(train_vae_config.yaml\)"):
+        check_trained_as(tmp_path / "vae", replace(cfg, steps=7, lr=1e-3))
+    # killed after the weights, before the mark: not complete, and a rerun trains it again (no checkpoint at 6 steps)
+    (tmp_path / "vae" / "metrics.json").unlink()
+    assert not is_complete(tmp_path / "vae")
+    assert train_vae(cfg, tmp_path / "vae", progress=False)["latent_std"] == metrics["latent_std"]
+    assert is_complete(tmp_path / "vae")
+    (tmp_path / "vae" / "train_vae_config.yaml").unlink()
+    with pytest.raises(UserError, match="holds a VAE without its train_vae_config.yaml"):
+        check_trained_as(tmp_path / "vae", cfg)
     # a mismatched image size is refused before training
     cfg.model.sample_size = 32
     with pytest.raises(ConfigError, match=r"model.sample_size: 32 != the dataset's resolution 16"):

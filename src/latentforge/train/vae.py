@@ -261,6 +261,9 @@ def is_complete(out: str | Path) -> bool:
 def check_trained_as(out: str | Path, cfg: VAETrainConfig) -> None:
     """A finished VAE in ``out`` is reused only where ``cfg`` would train the same one (every setting
     but the stopping and logging knobs, its steps included); else one line naming what differs."""
+    if not (Path(out) / CONFIG_FILE).is_file():
+        raise UserError(f"{out}: holds a VAE without its {CONFIG_FILE}, so what it was trained with is unknown; "
+                        "use another --out or delete it")
     diffs = _config_diffs(Path(out), cfg, _RUN_KNOBS)
     if diffs:
         raise UserError(f"{out}: holds a VAE trained with another {', '.join(diffs)} ({CONFIG_FILE}); "
@@ -405,7 +408,8 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
     save_config(cfg, out / CONFIG_FILE)
     vae.to("cpu").save_pretrained(out, safe_serialization=True)
     # The mark of a complete VAE, written last and atomically: a run killed before it leaves an
-    # unfinished directory, which the rerun finishes from the last checkpoint (still there).
+    # unfinished directory, which the rerun trains again from its last checkpoint (removed only after
+    # this mark), or from step 0 when it made none.
     storage.atomic_write_bytes(out / METRICS_FILE, json.dumps(metrics, indent=1).encode())
     shutil.rmtree(out / ckpt.CHECKPOINTS, ignore_errors=True)
     return metrics
