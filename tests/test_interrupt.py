@@ -26,7 +26,7 @@ import yaml
 import latentforge
 from latentforge import checkpoint as ckpt
 from latentforge.config import from_dict
-from latentforge.errors import ConfigError
+from latentforge.errors import ConfigError, UserError
 from latentforge.interrupt import EXIT_INTERRUPTED, InterruptConfig, StopOnSignal
 from latentforge.train.run import RunConfig, train
 from latentforge.train.trainer import TrainConfig
@@ -363,3 +363,38 @@ def test_the_demo_stopped_in_its_vae_or_encode_stage_exits_75_and_the_rerun_goes
     assert p.returncode == 2, p.stderr[-3000:]
     assert p.stderr.strip() == (f"latentforge: error: {out}/vae: holds a VAE trained with another lr "
                                 "(train_vae_config.yaml); use another --out or delete it")
+
+
+def test_one_demo_at_a_time_in_a_directory_and_a_killed_one_leaves_no_lock(tmp_path, capsys):
+    """Two demos (or a demo and a rescore) in one directory would write the same files: the second stops
+    with one line naming the process that holds the directory. The lock is a flock, so a process killed
+    with SIGKILL leaves none behind."""
+    from latentforge.cli import main
+    from latentforge.storage import directory_lock
+
+    out = tmp_path / "demo"
+    with directory_lock(out, "latentforge demo"):
+        assert main(["demo", "--out", str(out), "--quiet", "synth.num=10"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"latentforge: error: {out}: another latentforge demo is working in this directory (process {os.getpid()}); "
+            "wait for it to end, or use another --out")
+        for name in ("recipe.yaml", "export/model_index.json", "synth/labels.jsonl"):  # a finished demo, as rescore sees it
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / name).write_text("")
+        assert main(["demo", "--out", str(out), "--rescore", "2"]) == 2
+        assert "another latentforge demo is working in this directory" in capsys.readouterr().err
+    assert not list(out.glob("synth/*.png"))  # the refused demo wrote nothing
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom latentforge.storage import directory_lock\n"
+                               f"with directory_lock({str(out)!r}, 'x'):\n    print('held', flush=True)\n    time.sleep(60)"],
+                              env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UserError, match=rf"another x is working .*\(process {holder.pid}\)"):
+            with directory_lock(out, "x"):
+                pass
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    with directory_lock(out, "x"):  # SIGKILL released it
+        pass

@@ -109,6 +109,14 @@ class _Stages:
 
 
 def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
+    """The demo's stages in ``out_dir`` (a rerun resumes them), one demo at a time in a directory."""
+    from latentforge.storage import directory_lock
+
+    with directory_lock(out_dir, "latentforge demo"):
+        return _run_demo(recipe, out_dir, progress)
+
+
+def _run_demo(recipe: Any, out_dir: str | Path, progress: bool) -> dict:
     from latentforge.data.encode import encode_dataset
     from latentforge.data.ingest import ingest
     from latentforge.data.synth import generate
@@ -547,8 +555,7 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
     pinned judge if it is theirs), validated at those settings, and score into
     ``OUT/rescore/judge-TAG-guidance-G/``; the run's own judge (``OUT/judge``) and evaluations are
     never replaced."""
-    from latentforge.recipe import load_recipe
-    from latentforge.storage import atomic_write_bytes
+    from latentforge.storage import directory_lock
 
     out = Path(out_dir)
     overrides = list(overrides or [])
@@ -565,6 +572,14 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
     if bad:
         raise UserError(f"--rescore scores the exported model as it is: only demo.* settings (not "
                         f"demo.guidance_scale, given by --rescore) can change; got {bad}")
+    with directory_lock(out, "latentforge demo"):  # not while the demo (or another rescore) works there
+        return _rescore(out, guidance_scales, overrides, progress)
+
+
+def _rescore(out: Path, guidance_scales: list[float], overrides: list[str], progress: bool) -> dict[str, Any]:
+    from latentforge.recipe import load_recipe
+    from latentforge.storage import atomic_write_bytes
+
     recipe, ran = load_recipe(str(out / "recipe.yaml"), overrides), load_recipe(str(out / "recipe.yaml"))
     # A judge of other settings is saved beside the run's own, never over it: the report's figures
     # stay reproducible from out/judge. Other scoring settings only (the floor, the outline checks) keep

@@ -7,11 +7,13 @@ nothing here is specific to one provider. Local writes are atomic (temp file + f
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO, Iterable, Iterator
 
 from latentforge.errors import UserError
 
@@ -35,6 +37,32 @@ def split_s3(uri: str) -> tuple[str, str]:
     if not bucket:
         raise UserError(f"{uri}: an S3 address needs a bucket (s3://bucket/prefix)")
     return bucket, key
+
+
+LOCK_FILE = ".latentforge.lock"
+
+
+@contextmanager
+def directory_lock(out: str | Path, what: str) -> Iterator[None]:
+    """Hold ``out``'s lock while a ``what`` (e.g. "latentforge demo") works in it: a second process
+    that asks for it meanwhile stops with one line instead of writing the same files. An exclusive
+    ``flock`` on ``out/.latentforge.lock``, so it goes with the process: a killed run leaves none behind."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            raise UserError(f"{out}: another {what} is working in this directory"
+                            + (f" (process {holder})" if holder.isdigit() else "")
+                            + "; wait for it to end, or use another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def refuse_foreign_dir(out: str | Path, marks: Iterable[str], what: str) -> None:
