@@ -377,7 +377,7 @@ def test_one_demo_at_a_time_in_a_directory_and_a_killed_one_leaves_no_lock(tmp_p
         assert main(["demo", "--out", str(out), "--quiet", "synth.num=10"]) == 2
         assert capsys.readouterr().err.strip() == (
             f"latentforge: error: {out}: another latentforge demo is working in this directory (process {os.getpid()}); "
-            "wait for it to end, or use another --out")
+            "wait for it to end, or use another directory")
         for name in ("recipe.yaml", "export/model_index.json", "synth/labels.jsonl"):  # a finished demo, as rescore sees it
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             (out / name).write_text("")
@@ -398,3 +398,19 @@ def test_one_demo_at_a_time_in_a_directory_and_a_killed_one_leaves_no_lock(tmp_p
         holder.wait(timeout=30)
     with directory_lock(out, "x"):  # SIGKILL released it
         pass
+
+
+def test_one_training_at_a_time_in_a_run_directory(tmp_path, capsys):
+    """A second ``train`` (or a requeued job while the first still runs) in a run directory stops in one line
+    before it reads anything; the lock file alone does not make the directory a foreign one."""
+    from latentforge.cli import main
+    from latentforge.storage import directory_lock, refuse_foreign_dir
+
+    run = tmp_path / "run"
+    with directory_lock(run, "latentforge train"):
+        assert main(["train", str(run), "--recipe", "tiny-cpu", "--quiet"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"latentforge: error: {run}: another latentforge train is working in this directory (process {os.getpid()}); "
+            "wait for it to end, or use another directory")
+    assert [p.name for p in run.iterdir()] == [".latentforge.lock"]
+    refuse_foreign_dir(run, ("train_config.yaml", "checkpoints"), "training run")  # not refused

@@ -57,7 +57,7 @@ def directory_lock(out: str | Path, what: str) -> Iterator[None]:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
             raise UserError(f"{out}: another {what} is working in this directory"
                             + (f" (process {holder})" if holder.isdigit() else "")
-                            + "; wait for it to end, or use another --out") from None
+                            + "; wait for it to end, or use another directory") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
@@ -69,7 +69,7 @@ def refuse_foreign_dir(out: str | Path, marks: Iterable[str], what: str) -> None
     """A local output directory that is not empty and holds none of ``marks`` (the files by which
     a ``what`` is known) is refused: writing into it would mix the two."""
     out, marks = Path(out), list(marks)
-    if out.is_dir() and not any((out / m).exists() for m in marks) and any(out.iterdir()):
+    if out.is_dir() and not any((out / m).exists() for m in marks) and any(p.name != LOCK_FILE for p in out.iterdir()):
         raise UserError(f"{out}: exists, is not empty and holds no {what} (no {marks[0]}): use a new or empty "
                         "directory")
 
