@@ -400,9 +400,10 @@ def test_one_demo_at_a_time_in_a_directory_and_a_killed_one_leaves_no_lock(tmp_p
         pass
 
 
-def test_one_training_at_a_time_in_a_run_directory(tmp_path, capsys):
+def test_one_training_at_a_time_in_a_run_directory(tmp_path, capsys, caplog, monkeypatch):
     """A second ``train`` (or a requeued job while the first still runs) in a run directory stops in one line
-    before it reads anything; the lock file alone does not make the directory a foreign one."""
+    before it reads anything; the lock file alone does not make the directory a foreign one; on a filesystem
+    without flock the command goes on, with a warning."""
     from latentforge.cli import main
     from latentforge.storage import directory_lock, refuse_foreign_dir
 
@@ -414,3 +415,14 @@ def test_one_training_at_a_time_in_a_run_directory(tmp_path, capsys):
             "wait for it to end, or use another directory")
     assert [p.name for p in run.iterdir()] == [".latentforge.lock"]
     refuse_foreign_dir(run, ("train_config.yaml", "checkpoints"), "training run")  # not refused
+
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with caplog.at_level("WARNING", logger="latentforge.storage"), directory_lock(run, "latentforge train"):
+        pass
+    assert "cannot lock it (Function not implemented): going on without the check" in caplog.text

@@ -8,6 +8,7 @@ nothing here is specific to one provider. Local writes are atomic (temp file + f
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 from contextlib import contextmanager
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator
 
 from latentforge.errors import UserError
+
+log = logging.getLogger(__name__)
 
 _S3 = "s3://"
 _local = threading.local()
@@ -58,8 +61,12 @@ def directory_lock(out: str | Path, what: str) -> Iterator[None]:
             raise UserError(f"{out}: another {what} is working in this directory"
                             + (f" (process {holder})" if holder.isdigit() else "")
                             + "; wait for it to end, or use another directory") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:  # a filesystem without flock (e.g. Lustre mounted without -o flock)
+            log.warning("%s: cannot lock it (%s): going on without the check that no other %s works here",
+                        out, e.strerror, what)
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock
