@@ -400,16 +400,16 @@ def test_one_demo_at_a_time_in_a_directory_and_a_killed_one_leaves_no_lock(tmp_p
         pass
 
 
-def test_one_training_at_a_time_in_a_run_directory(tmp_path, capsys, caplog, monkeypatch):
+def test_one_training_at_a_time_in_a_run_directory(setup, tmp_path, capsys, caplog, monkeypatch):
     """A second ``train`` (or a requeued job while the first still runs) in a run directory stops in one line
-    before it reads anything; the lock file alone does not make the directory a foreign one; on a filesystem
+    before it writes there; the lock file alone does not make the directory a foreign one; on a filesystem
     without flock the command goes on, with a warning."""
     from latentforge.cli import main
     from latentforge.storage import directory_lock, refuse_foreign_dir
 
     run = tmp_path / "run"
     with directory_lock(run, "latentforge train"):
-        assert main(["train", str(run), "--recipe", "tiny-cpu", "--quiet"]) == 2
+        assert main(["train", str(run), "--recipe", str(setup["recipe"]), "--quiet"]) == 2
         assert capsys.readouterr().err.strip() == (
             f"latentforge: error: {run}: another latentforge train is working in this directory (process {os.getpid()}); "
             "wait for it to end, or use another directory")

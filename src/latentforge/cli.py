@@ -8,7 +8,6 @@ shortcuts for the most common overrides. Bad input ends in one line on stderr an
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import re
@@ -144,7 +143,7 @@ def cmd_train_vae(ns, overrides):
 def cmd_train(ns, overrides):
     from latentforge.distributed.env import close_world, init_world
     from latentforge.distributed.parallelize import needs_single_rank_group
-    from latentforge.storage import directory_lock, refuse_foreign_dir
+    from latentforge.storage import refuse_foreign_dir
     from latentforge.train.run import RunConfig, train
 
     recipe = _recipe(ns, overrides, {"train.init_from": getattr(ns, "base", None)})
@@ -161,9 +160,8 @@ def cmd_train(ns, overrides):
     try:
         # One run at a time in a run directory (a second launch, a requeue while the first still runs): rank 0
         # holds its lock; a rank 0 refused ends the job, as torchrun stops the other ranks with it.
-        with directory_lock(ns.run_dir, f"latentforge {ns.command}") if world.is_main else contextlib.nullcontext():
-            summary = train(RunConfig(train=recipe.train, data=recipe.loader, eval=recipe.eval), ns.run_dir,
-                            resume=ns.resume, progress=not ns.quiet, world=world)
+        summary = train(RunConfig(train=recipe.train, data=recipe.loader, eval=recipe.eval), ns.run_dir,
+                        resume=ns.resume, progress=not ns.quiet, world=world, lock=f"latentforge {ns.command}")
     finally:
         close_world()
     if not world.is_main:
