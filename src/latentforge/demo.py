@@ -165,7 +165,7 @@ def _run_demo(recipe: Any, out_dir: str | Path, progress: bool) -> dict:
         return _interrupted(stopped, "while encoding")
     st.done()
     # Once the stages that refuse other settings (synth, ingest, VAE, encode) have taken this recipe:
-    # a refused rerun leaves the record of the run in OUT alone.
+    # a rerun that one of them refuses leaves the record of the run in OUT alone.
     save_config(recipe, out / "recipe.yaml")
 
     st.start("judge", ("load the pinned judge (trained here instead if it is not this run's)" if recipe.demo.pinned_judge
