@@ -121,7 +121,7 @@ def _run_demo(recipe: Any, out_dir: str | Path, progress: bool) -> dict:
     from latentforge.data.ingest import ingest
     from latentforge.data.synth import generate
     from latentforge.train.run import RunConfig, train
-    from latentforge.train.vae import check_trained_as, is_complete, train_vae
+    from latentforge.train.vae import METRICS_FILE, check_trained_as, is_complete, train_vae
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -150,7 +150,7 @@ def _run_demo(recipe: Any, out_dir: str | Path, progress: bool) -> dict:
         trained = train_vae(vae_cfg, vae_dir, progress=progress)
         if trained.get("interrupted"):
             return _interrupted(trained["interrupted"], f"at step {trained['steps']} of the VAE's training")
-    vae_metrics = json.loads((vae_dir / "metrics.json").read_text())
+    vae_metrics = json.loads((vae_dir / METRICS_FILE).read_text())
     st.done()
 
     st.start("encode", "encode latents and text embeddings")
