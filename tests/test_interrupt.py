@@ -426,3 +426,47 @@ def test_one_training_at_a_time_in_a_run_directory(setup, tmp_path, capsys, capl
     with caplog.at_level("WARNING", logger="latentforge.storage"), directory_lock(run, "latentforge train"):
         pass
     assert "cannot lock it (Function not implemented): going on without the check" in caplog.text
+
+
+def test_each_stage_command_stops_in_a_directory_a_demo_holds(latent_data, setup, tmp_path, capsys):  # noqa: F811
+    """The demo holds the directory of each of its stages (OUT/raw, OUT/vae, OUT/latents, OUT/run) as well
+    as OUT: `latentforge ingest`, `train-vae`, `encode` or `train` into one of them meanwhile stops in one
+    line naming the demo and its process, after its checks and before it writes there. A refused setting
+    is still named first and leaves no directory behind."""
+    from PIL import Image
+
+    from latentforge.cli import main
+    from latentforge.storage import LOCK_FILE, directory_lock
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        Image.new("RGB", (32, 32), (40 * i, 10, 200)).save(src / f"{i}.png")
+        (src / f"{i}.txt").write_text(f"a shape number {i}")
+    vae_recipe = tmp_path / "vae.yaml"
+    vae_recipe.write_text(yaml.safe_dump({"vae": {
+        "steps": 2, "batch_size": 8, "data": {"num_workers": 0, "cache_dir": str(latent_data["cache"])},
+        "model": {"block_out_channels": [8, 16], "norm_num_groups": 4, "sample_size": 16}}}))
+    commands = {
+        "raw": ["ingest", str(src), "--out", "{d}", "--quiet", "ingest.filters.min_side=16",
+                "ingest.image.resolution=32"],
+        "vae": ["train-vae", str(latent_data["raw16"]), "--out", "{d}", "--recipe", str(vae_recipe), "--quiet"],
+        "latents": ["encode", str(latent_data["raw16"]), "--vae", str(latent_data["vae"]), "--text-encoder",
+                    str(latent_data["bert"]), "--out", "{d}", "--quiet", "encode.max_length=8", "encode.device=cpu"],
+        "run": ["train", "{d}", "--recipe", str(setup["recipe"]), "--quiet"],
+    }
+    for name, cmd in commands.items():
+        d = tmp_path / "demo" / name
+        with directory_lock(d, "latentforge demo"):
+            assert main([c.format(d=d) for c in cmd]) == 2, name
+            assert capsys.readouterr().err.strip() == (
+                f"latentforge: error: {d}: another latentforge demo is working in this directory "
+                f"(process {os.getpid()}); wait for it to end, or use another directory"), name
+        assert [p.name for p in d.iterdir()] == [LOCK_FILE], name  # nothing written beside the demo
+        assert main([c.format(d=d) for c in cmd]) == 0, name  # the lock file alone is no foreign content
+
+    # A refused setting is named before the lock is asked for: the new directory is not even created.
+    d = tmp_path / "refused-vae"
+    assert main(["train-vae", str(latent_data["raw16"]), "--out", str(d), "--recipe", str(vae_recipe), "--quiet",
+                 "vae.model.sample_size=32"]) == 2
+    assert "sample_size: 32 != the dataset's resolution 16" in capsys.readouterr().err and not d.exists()

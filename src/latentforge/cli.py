@@ -50,7 +50,7 @@ def cmd_ingest(ns, overrides):
     from latentforge.data.ingest import ingest
 
     recipe = _recipe(ns, overrides, {"ingest.image.resolution": ns.resolution, "ingest.num_workers": ns.workers})
-    summary = ingest(ns.sources, ns.out, recipe.ingest, progress=not ns.quiet)
+    summary = ingest(ns.sources, ns.out, recipe.ingest, progress=not ns.quiet, lock="latentforge ingest")
     rej = ", ".join(f"{k} {v}" for k, v in summary["rejected"].items()) or "none"
     print(f"ingest: seen {summary['seen']}, written {summary['written']} in {summary['num_shards']} shards, "
           f"rejected {summary['num_rejected']} ({rej}); {summary.get('img_per_s')} img/s -> {ns.out}")
@@ -108,7 +108,7 @@ def cmd_encode(ns, overrides):
                                 progress=not ns.quiet)
     else:
         _refuse_flags(ns, "encode", ("address", "num_actors"), "--ray")
-        summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet)
+        summary = encode_dataset(ns.raw_dir, ns.out, recipe.encode, progress=not ns.quiet, lock="latentforge encode")
     if summary.get("interrupted"):
         print(f"encode: interrupted by {summary['interrupted']}: the finished shards are kept in {ns.out}; "
               "rerun the same command to resume", flush=True)
@@ -129,7 +129,7 @@ def cmd_train_vae(ns, overrides):
     recipe = _recipe(ns, overrides, shortcuts)
     if not recipe.vae.data.datasets:
         raise UserError("train-vae: give RAW_DIR (raw shards from ingest) or set vae.data.datasets")
-    m = train_vae(recipe.vae, ns.out, progress=not ns.quiet)
+    m = train_vae(recipe.vae, ns.out, progress=not ns.quiet, lock="latentforge train-vae")
     if m.get("interrupted"):
         saved = f"saved step {m['steps']}" if m["saved"] else "nothing to save"
         print(f"train-vae: interrupted by {m['interrupted']}: {saved} -> {ns.out}/checkpoints; "

@@ -108,11 +108,15 @@ class _Stages:
         self.timings[self._name] = round(time.perf_counter() - self._start, 1)
 
 
+LOCK = "latentforge demo"  # held on OUT, and by each stage on the directory it writes (OUT/raw, OUT/vae, OUT/run...):
+                           # `latentforge train OUT/run` (or train-vae, encode, ingest) beside the demo stops in one line
+
+
 def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     """The demo's stages in ``out_dir`` (a rerun resumes them), one demo at a time in a directory."""
     from latentforge.storage import directory_lock
 
-    with directory_lock(out_dir, "latentforge demo"):
+    with directory_lock(out_dir, LOCK):
         return _run_demo(recipe, out_dir, progress)
 
 
@@ -135,8 +139,8 @@ def _run_demo(recipe: Any, out_dir: str | Path, progress: bool) -> dict:
     st.done()
 
     st.start("ingest", "ingest the training split")
-    ingest_summary = ingest([str(out / "synth" / "train")], out / "raw", recipe.ingest, progress=progress)
-    ingest([str(out / "synth" / "heldout")], out / "raw-heldout", recipe.ingest, progress=progress)
+    ingest_summary = ingest([str(out / "synth" / "train")], out / "raw", recipe.ingest, progress=progress, lock=LOCK)
+    ingest([str(out / "synth" / "heldout")], out / "raw-heldout", recipe.ingest, progress=progress, lock=LOCK)
     st.done()
 
     st.start("train_vae", "train the VAE from scratch")
@@ -147,7 +151,7 @@ def _run_demo(recipe: Any, out_dir: str | Path, progress: bool) -> dict:
     if is_complete(vae_dir):
         check_trained_as(vae_dir, vae_cfg)  # a finished VAE of other settings is not this run's
     else:  # new, or an attempt that was stopped: train_vae goes on from its last checkpoint
-        trained = train_vae(vae_cfg, vae_dir, progress=progress)
+        trained = train_vae(vae_cfg, vae_dir, progress=progress, lock=LOCK)
         if trained.get("interrupted"):
             return _interrupted(trained["interrupted"], f"at step {trained['steps']} of the VAE's training")
     vae_metrics = json.loads((vae_dir / METRICS_FILE).read_text())
@@ -155,12 +159,12 @@ def _run_demo(recipe: Any, out_dir: str | Path, progress: bool) -> dict:
 
     st.start("encode", "encode latents and text embeddings")
     enc_cfg = replace(recipe.encode, vae=str(vae_dir), text_encoder=recipe.encode.text_encoder or builtin_text_encoder())
-    encode_summary = encode_dataset(str(out / "raw"), str(out / "latents"), enc_cfg, progress=progress)
+    encode_summary = encode_dataset(str(out / "raw"), str(out / "latents"), enc_cfg, progress=progress, lock=LOCK)
     stopped = encode_summary.get("interrupted")
     if not stopped and recipe.train.val.every_steps and not recipe.train.val.data:
         # The held-out renders (combinations no training caption names) for the validation loss during training.
         stopped = encode_dataset(str(out / "raw-heldout"), str(out / "latents-heldout"), enc_cfg,
-                                 progress=False).get("interrupted")
+                                 progress=False, lock=LOCK).get("interrupted")
     if stopped:  # the finished shards are kept: the rerun encodes the rest
         return _interrupted(stopped, "while encoding")
     st.done()
@@ -182,7 +186,7 @@ def _run_demo(recipe: Any, out_dir: str | Path, progress: bool) -> dict:
         val = replace(val, data=str(out / "latents-heldout"))
     run_cfg = RunConfig(train=replace(recipe.train, phases=phases, val=val),
                         data=replace(recipe.loader, cache_dir=recipe.loader.cache_dir or str(out / "cache")))
-    train_summary = train(run_cfg, out / "run", resume="auto", progress=progress,
+    train_summary = train(run_cfg, out / "run", resume="auto", progress=progress, lock=LOCK,
                           evaluator=_curve_evaluator(recipe, out, judge) if _curve_on(recipe) else None)
     if train_summary.get("interrupted"):  # a signal: the checkpoint is saved, the rerun goes on from it
         return _interrupted(train_summary["interrupted"], f"at step {train_summary['step']} of the training")
@@ -572,7 +576,7 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
     if bad:
         raise UserError(f"--rescore scores the exported model as it is: only demo.* settings (not "
                         f"demo.guidance_scale, given by --rescore) can change; got {bad}")
-    with directory_lock(out, "latentforge demo"):  # not while the demo (or another rescore) works there
+    with directory_lock(out, LOCK):  # not while the demo (or another rescore) works there
         return _rescore(out, guidance_scales, overrides, progress)
 
 

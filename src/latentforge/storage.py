@@ -11,10 +11,10 @@ import fcntl
 import logging
 import os
 import threading
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 from latentforge.errors import UserError
 
@@ -48,7 +48,8 @@ LOCK_FILE = ".latentforge.lock"
 @contextmanager
 def directory_lock(out: str | Path, what: str) -> Iterator[None]:
     """Hold ``out``'s lock while a ``what`` (e.g. "latentforge demo") works in it: a second process
-    that asks for it meanwhile stops with one line instead of writing the same files. An exclusive
+    that asks for it meanwhile stops with one line naming the holder's command and process instead of
+    writing the same files. An exclusive
     ``flock`` on ``out/.latentforge.lock``, so it goes with the process: a killed run leaves none behind."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,20 +57,30 @@ def directory_lock(out: str | Path, what: str) -> Iterator[None]:
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            raise UserError(f"{out}: another {what} is working in this directory"
-                            + (f" (process {holder})" if holder.isdigit() else "")
+        except BlockingIOError:  # the holder wrote "PID COMMAND" (a demo holds the directories of its stages too)
+            pid, _, holder = os.pread(fd, 256, 0).decode(errors="replace").strip().partition(" ")
+            raise UserError(f"{out}: another {holder or what} is working in this directory"
+                            + (f" (process {pid})" if pid.isdigit() else "")
                             + "; wait for it to end, or use another directory") from None
         except OSError as e:  # a filesystem without flock (e.g. Lustre mounted without -o flock)
             log.warning("%s: cannot lock it (%s): going on without the check that no other %s works here",
                         out, e.strerror, what)
         else:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextmanager
+def lock_at_first_write(what: str) -> Iterator[Callable[[str | Path], None]]:
+    """For a command whose checks come before its first write: yields ``take(dir)``, which takes
+    ``dir``'s :func:`directory_lock` for ``what`` until the block ends. Called at the first write,
+    it leaves a directory that a check refuses untouched. ``what`` empty: ``take`` does nothing
+    (a caller that holds the lock already, or a launcher that restarts its own workers)."""
+    with ExitStack() as held:
+        yield (lambda d: held.enter_context(directory_lock(d, what))) if what else (lambda d: None)
 
 
 def refuse_foreign_dir(out: str | Path, marks: Iterable[str], what: str) -> None:

@@ -236,8 +236,9 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def _open_out_dir(out: Path, meta: dict) -> None:
-    """Claim ``out`` for this encode, or check that it was started with the same inputs."""
+def _open_out_dir(out: Path, meta: dict, take_lock: Callable[[Path], None] = lambda out: None) -> None:
+    """Claim ``out`` for this encode, or check that it was started with the same inputs; then
+    ``take_lock(out)`` before the first write."""
     record = out / PROGRESS / "meta.json"
     if record.is_file():
         now = _identity(json.loads(json.dumps(meta)))  # compare as stored: JSON types
@@ -247,6 +248,7 @@ def _open_out_dir(out: Path, meta: dict) -> None:
                             "use a new output directory or delete this one")
     else:
         storage.refuse_foreign_dir(out, (f"{PROGRESS}/meta.json",), "encode output")
+    take_lock(out)
     storage.atomic_write_bytes(record, json.dumps(meta, indent=1).encode())
     # The dataset is incomplete until every shard is done again (index.json is the completion marker).
     (out / INDEX).unlink(missing_ok=True)
@@ -531,10 +533,11 @@ def open_encode(raw_dir: str, out_dir: str | Path, cfg: EncodeConfig) -> EncodeJ
 
 
 def _claim(raw_dir: str, raw: DatasetIndex, resolution: int, out_dir: str | Path, cfg: EncodeConfig,
-           enc: Encoders, bucket: tuple[int, int] | None) -> EncodeJob:
+           enc: Encoders, bucket: tuple[int, int] | None,
+           take_lock: Callable[[Path], None] = lambda out: None) -> EncodeJob:
     """Claim ``out_dir`` for the checked raw dataset ``raw``: write its meta, config and
-    empty-prompt file. ``bucket``: the (width, height) of one aspect-ratio bucket (None: the
-    whole square dataset)."""
+    empty-prompt file (``take_lock(out_dir)`` first). ``bucket``: the (width, height) of one
+    aspect-ratio bucket (None: the whole square dataset)."""
     if bucket is None and resolution % enc.vae_info["downsample_factor"]:
         raise UserError(f"{raw_dir}: resolution {resolution} is not a multiple of the VAE's "
                         f"downsample factor {enc.vae_info['downsample_factor']}")
@@ -549,7 +552,7 @@ def _claim(raw_dir: str, raw: DatasetIndex, resolution: int, out_dir: str | Path
         "storage_dtype": cfg.storage_dtype,
         "source_dataset": {"path": raw_dir, "fingerprint": source_fp, "num_samples": raw.num_samples},
     }
-    _open_out_dir(out, meta)
+    _open_out_dir(out, meta, take_lock)
     save_config(enc.resolved, out / CONFIG_FILE)
 
     empty = {k: v[0] for k, v in enc.text_arrays([""]).items()}
@@ -624,7 +627,7 @@ def _recall(job: EncodeJob, name: str, cache: TextCache) -> None:
 
 
 def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool = True,
-                   encoders: Encoders | None = None) -> dict:
+                   encoders: Encoders | None = None, lock: str = "") -> dict:
     """Encode the raw dataset at ``raw_dir`` (local or s3://) into latent shards in ``out_dir``
     (one latent dataset per bucket for a bucketed raw dataset, see the module docstring).
 
@@ -632,24 +635,28 @@ def encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool
     ``out_dir/summary.json``); shards finished by an earlier run with the same inputs are kept.
     Stopped by a signal (see the module docstring) it returns ``{"interrupted": signal name}``.
     ``encoders``: already loaded from ``cfg`` (by default they are loaded here).
+    ``lock``: the command's name (e.g. "latentforge encode"): ``out_dir``'s lock is held from the
+    first write there (:func:`latentforge.storage.directory_lock`), so a second encode into it stops
+    in one line.
     """
     with StopOnSignal(cfg.interrupt, what="encode",
-                      stopping="stopping after the current batch: the finished shards are kept") as stop:
+                      stopping="stopping after the current batch: the finished shards are kept") as stop, \
+            storage.lock_at_first_write(lock) as take_lock:
         try:
-            return _encode_dataset(raw_dir, out_dir, cfg, progress, stop, encoders)
+            return _encode_dataset(raw_dir, out_dir, cfg, progress, stop, encoders, take_lock)
         except _Stopped:
             return {"interrupted": stop.signal_name}
 
 
 def _encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: bool, stop: StopOnSignal,
-                    enc: Encoders | None) -> dict:
+                    enc: Encoders | None, take_lock: Callable[[Path], None]) -> dict:
     cfg.validate()
     cfg.require_models()
     raw = read_index(raw_dir)
     resolution = _check_raw(raw_dir, raw)
     enc = enc or Encoders(cfg, _resolve_device(cfg.device))
     if raw.meta.get("crop") != "buckets":
-        return _run_job(_claim(raw_dir, raw, resolution, out_dir, cfg, enc, None), progress, stop)
+        return _run_job(_claim(raw_dir, raw, resolution, out_dir, cfg, enc, None, take_lock), progress, stop)
     factor = enc.vae_info["downsample_factor"]
     sizes: collections.Counter = collections.Counter()
     for shard in raw.shards:
@@ -662,6 +669,7 @@ def _encode_dataset(raw_dir: str, out_dir: str, cfg: EncodeConfig, progress: boo
     out = Path(out_dir)
     storage.refuse_foreign_dir(out, (f"{PROGRESS}/buckets",), "bucketed encode output")
     out.mkdir(parents=True, exist_ok=True)
+    take_lock(out)  # the whole of it: every bucket's directory is inside
     storage.atomic_write_bytes(out / PROGRESS / "buckets", b"")
     (out / BUCKETS).unlink(missing_ok=True)  # the completion marker of the whole, rewritten last
     buckets, summaries = [], []

@@ -22,7 +22,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tqdm import tqdm
 
@@ -173,13 +173,22 @@ def _check_out_dir(out: Path, plan: dict) -> str:
                 f"{plan['fingerprint']}); use another --out or delete it"
             )
         return "done" if (out / schema.INDEX).exists() else "resume"
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(p.name != storage.LOCK_FILE for p in out.iterdir()):  # the lock: a run killed at its start
         raise UserError(f"{out}: exists and is not empty; ingest writes into a new or empty directory")
     return "new"
 
 
-def ingest(sources: list[str], out_dir: str | Path, cfg: IngestConfig, progress: bool = True) -> dict:
-    """Ingest ``sources`` into raw shards in ``out_dir``; returns the summary (also summary.json)."""
+def ingest(sources: list[str], out_dir: str | Path, cfg: IngestConfig, progress: bool = True, lock: str = "") -> dict:
+    """Ingest ``sources`` into raw shards in ``out_dir``; returns the summary (also summary.json).
+    ``lock``: the command's name (e.g. "latentforge ingest"): ``out_dir``'s lock is held from the
+    first write there (:func:`latentforge.storage.directory_lock`), so a second ingest into it stops
+    in one line."""
+    with storage.lock_at_first_write(lock) as take_lock:
+        return _ingest(sources, out_dir, cfg, progress, take_lock)
+
+
+def _ingest(sources: list[str], out_dir: str | Path, cfg: IngestConfig, progress: bool,
+            take_lock: Callable[[Path], None]) -> dict:
     if storage.is_s3(str(out_dir)):
         raise UserError(f"{out_dir}: ingest writes to a local directory (copy it to S3 afterwards)")
     out = Path(out_dir)
@@ -195,6 +204,7 @@ def ingest(sources: list[str], out_dir: str | Path, cfg: IngestConfig, progress:
     plan["config"].pop("num_workers")  # how many workers ran does not change the result
     plan["fingerprint"] = _fingerprint(plan)
     state = _check_out_dir(out, plan)
+    take_lock(out)  # the first write (a finished ingest: its leftover parts are removed)
     if state == "done":
         try:  # finished before: its outputs must still be readable, not just present
             schema.read_index(str(out))

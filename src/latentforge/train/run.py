@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +31,7 @@ from latentforge.models.denoiser import denoiser_for, denoiser_from_config, deno
 from latentforge.models.unet import UNetConfig
 from latentforge.distributed.env import World
 from latentforge.distributed.parallelize import parallelize, resolve_strategy
-from latentforge.storage import directory_lock
+from latentforge.storage import lock_at_first_write
 from latentforge.train import finetune
 from latentforge.train.masking import check_kept_tokens
 from latentforge.train.memory import resolve_auto_micro_batch
@@ -141,15 +140,15 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", progress: b
     (:func:`latentforge.storage.directory_lock`) from when it first writes there, so a second run in
     the directory stops in one line; a refused config leaves the directory untouched."""
     # Signals received while the run is set up are held until the first step's check.
-    with StopOnSignal(cfg.train.interrupt, stop_file=stop_file, what="train") as stop, ExitStack() as held:
-        return _train(cfg, run_dir, resume, progress, world, on_checkpoint, source, stop, evaluator,
-                      (lambda run: held.enter_context(directory_lock(run, lock))) if lock else None)
+    with StopOnSignal(cfg.train.interrupt, stop_file=stop_file, what="train") as stop, \
+            lock_at_first_write(lock) as take_lock:
+        return _train(cfg, run_dir, resume, progress, world, on_checkpoint, source, stop, evaluator, take_lock)
 
 
 def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, world: World | None,
            on_checkpoint: Callable[[Path, int], None] | None, source: DataSource | None,
            stop: StopOnSignal, evaluator: Callable[[Any, Path], dict[str, Any] | None] | None = None,
-           take_lock: Callable[[Path], None] | None = None) -> dict[str, Any]:
+           take_lock: Callable[[Path], None] = lambda run: None) -> dict[str, Any]:
     world = world or World()
     source = source or DataSource()
     run = Path(run_dir)
@@ -194,8 +193,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
     resume_from = ckpt.resolve_resume(run, resume)
     if world.is_main:
         run.mkdir(parents=True, exist_ok=True)
-        if take_lock is not None:  # the first write to the run directory
-            take_lock(run)
+        take_lock(run)  # at the first write to the run directory
         _check_same_run(run, replace(cfg, train=tcfg), resume_from)
         save_config(replace(cfg, train=tcfg), run / TRAIN_CONFIG)
         (run / DATA_META).write_text(json.dumps(meta, indent=1))

@@ -29,7 +29,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -228,12 +228,14 @@ def measure_latent_std(vae, batches, device: str, num: int, generator: torch.Gen
     return math.sqrt(max(total_sq / count - mean * mean, 1e-12))
 
 
-def train_vae(cfg: VAETrainConfig, out_dir: str | Path, progress: bool = True) -> dict:
+def train_vae(cfg: VAETrainConfig, out_dir: str | Path, progress: bool = True, lock: str = "") -> dict:
     """Train (or resume, see the module docstring), measure the scale factor, save a diffusers
     AutoencoderKL directory; returns metrics. Stopped by a signal, it returns
-    ``{"interrupted": signal name, "steps": step saved}`` instead."""
-    with StopOnSignal(cfg.interrupt, what="train-vae") as stop:
-        return _train_vae(cfg, Path(out_dir), progress, stop)
+    ``{"interrupted": signal name, "steps": step saved}`` instead. ``lock``: the command's name
+    (e.g. "latentforge train-vae"): ``out_dir``'s lock is held from the first write there
+    (:func:`latentforge.storage.directory_lock`), so a second training of it stops in one line."""
+    with StopOnSignal(cfg.interrupt, what="train-vae") as stop, storage.lock_at_first_write(lock) as take_lock:
+        return _train_vae(cfg, Path(out_dir), progress, stop, take_lock)
 
 
 _RUN_KNOBS = ("max_seconds", "log_every", "checkpoint_every_steps", "interrupt", "device")  # not in the weights
@@ -270,7 +272,8 @@ def check_trained_as(out: str | Path, cfg: VAETrainConfig) -> None:
                         "use another --out or delete it")
 
 
-def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSignal) -> dict:
+def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSignal,
+               take_lock: Callable[[Path], None]) -> dict:
     if (out / METRICS_FILE).exists():
         raise UserError(f"{out}: already holds a VAE; choose another --out")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
@@ -314,6 +317,9 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
 
     history: list[dict] = []
     step, seconds_before = 0, 0.0  # training time of the earlier runs this one resumes
+    storage.refuse_foreign_dir(out, (CONFIG_FILE,), "VAE training")
+    out.mkdir(parents=True, exist_ok=True)  # the first write
+    take_lock(out)  # before the checkpoints are read: none is being written meanwhile
     resume_from = ckpt.find_latest(out)
     if resume_from is not None:
         _check_same_config(out, cfg)
@@ -327,8 +333,6 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
         step, seconds_before, history = c.step, float(c.meta["train_seconds"]), list(c.meta["history"])
         print(f"resuming from {resume_from}", flush=True)  # also with --quiet
     else:
-        storage.refuse_foreign_dir(out, (CONFIG_FILE,), "VAE training")
-        out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / CONFIG_FILE)
 
     t0 = time.perf_counter() - seconds_before
