@@ -5,7 +5,7 @@ from typing import Literal
 
 import pytest
 
-from latentforge.config import ConfigError, apply_overrides, from_dict, load_config, to_dict
+from latentforge.config import ConfigError, apply_overrides, from_dict, load_config, load_yaml, to_dict
 
 
 @dataclass
@@ -92,6 +92,13 @@ def test_load_config_from_yaml(tmp_path):
     binary.write_bytes(b"steps: 3\n\xff\xfe")
     with pytest.raises(ConfigError, match=r"binary.yaml: not UTF-8 text \(byte 9\)"):
         load_config(Outer, binary)
+    circular = tmp_path / "alias.yaml"  # was json's "Circular reference detected" traceback
+    circular.write_text("inner: &a\n  x: *a\n")
+    with pytest.raises(ConfigError, match=r"alias.yaml: refers to itself \(a YAML alias inside its own anchor\)$"):
+        load_config(Outer, circular)
+    shared = tmp_path / "shared.yaml"  # an alias used elsewhere is fine
+    shared.write_text("base: &b\n  mode: b\ninner: *b\n")
+    assert load_yaml(shared)["inner"] == {"mode": "b"}
 
 
 def test_recipe_key_given_twice_is_refused(tmp_path):

@@ -291,6 +291,10 @@ def test_bad_model_paths_are_one_line_user_errors(assets, tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="not a latentforge dataset"):
         encode_dataset(str(tmp_path), str(tmp_path / "out"), _cfg(assets), progress=False)
+    for text, kind in (("[1, 2]", "list"), ('"hello"', "str"), ("null", "NoneType")):  # JSON, not an object: was AttributeError
+        (tmp_path / "index.json").write_text(text)
+        with pytest.raises(UserError, match=rf"index.json: holds a JSON {kind}, not a dataset index; rerun the ingest"):
+            encode_dataset(str(tmp_path), str(tmp_path / "out"), _cfg(assets), progress=False)
 
 
 def test_loading_a_text_encoder_draws_no_loading_bar_and_leaves_the_bars_as_they_were(assets, capfd):

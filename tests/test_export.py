@@ -398,7 +398,7 @@ def test_export_refuses_a_non_empty_or_file_destination(build_run, tmp_path, cap
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     (tmp_path / "file").write_text("x")
     assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "file")]) == 2
-    _one_error_line(capsys, "not an empty directory")
+    _one_error_line(capsys, str(tmp_path / "file"), "is a file; export writes a new directory")
     empty = tmp_path / "empty"
     empty.mkdir()  # an existing empty directory is fine
     assert main(["export", "--checkpoint", str(run), "--out", str(empty)]) == 0
@@ -424,6 +424,31 @@ def test_incomplete_or_missing_checkpoint_is_refused(run_copy, tmp_path, capsys)
     assert main(_sample_args(tmp_path / "missing", out)) == 2
     _one_error_line(capsys, "no such directory")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("damage, words", [("{bad", "not valid JSON"), ("[1]", "damaged (no vae / text_encoder record)"),
+                                           ('{"vae": {}}', "damaged (no text_encoder record)")])
+def test_a_damaged_data_meta_is_refused_in_one_line(run_copy, tmp_path, capsys, damage, words):
+    """The run's data_meta.json names its VAE and text encoder: damaged, it was a JSONDecodeError or a
+    TypeError traceback in sample and export; now one line that says how to write it again."""
+    (run_copy / "data_meta.json").write_text(damage)
+    out = tmp_path / "out"
+    assert main(_sample_args(run_copy, out)) == 2
+    _one_error_line(capsys, f"{run_copy / 'data_meta.json'}: {words}", "rerunning `latentforge train`")
+    assert main(["export", "--checkpoint", str(run_copy), "--out", str(out)]) == 2
+    _one_error_line(capsys, words)
+    assert not out.exists()
+
+
+def test_sample_refuses_a_prompt_that_is_not_utf8(build_run, tmp_path, capsys):
+    """A terminal in another encoding passes bytes that Python keeps as surrogates: the tokenizer raised a
+    TypeError on them."""
+    run = build_run("bert").path
+    args = _sample_args(run, tmp_path / "out")
+    args[args.index("--prompt") + 1] = b"caf\xe9 red".decode("utf-8", "surrogateescape")
+    assert main(args) == 2
+    _one_error_line(capsys, '--prompt "caf\\xe9 red": not UTF-8 text')
+    assert not (tmp_path / "out").exists()
 
 
 def test_sample_and_export_refuse_a_recipe_or_overrides_they_would_ignore(build_run, tmp_path, capsys):
@@ -550,7 +575,7 @@ def test_export_refuses_a_vae_with_a_shift_factor(run_copy, assets, tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flag, value, start", [("--num-per-prompt", "0", "generate: no prompts"),
+@pytest.mark.parametrize("flag, value, start", [("--num-per-prompt", "0", "--num-per-prompt: must be at least 1, got 0"),
                                                ("--steps", "0", "sampling steps: 0; give 1 to 999")])
 def test_sample_refuses_nothing_to_do(build_run, tmp_path, capsys, flag, value, start):
     args = _sample_args(build_run("bert").path, tmp_path / "out")

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import tarfile
 
 import pyarrow as pa
@@ -247,6 +248,37 @@ def test_cli_ingest_and_one_line_errors(tmp_path, capsys):
     assert "written 0" in captured.out
     assert captured.err == f"latentforge: error: ingest wrote no sample ({tmp_path / 'o5'}/rejected.jsonl says why)\n"
     assert len((tmp_path / "o5" / "rejected.jsonl").read_text().splitlines()) == 13
+
+
+def test_captions_that_are_not_text_are_rejected_and_names_that_are_not_utf8_kept(tmp_path, capsys):
+    """A metadata caption that is a mapping, list or number was stored as its Python text ("{'en': 'hi'}")
+    without a word: it is rejected into the ledger now (caption_not_text). An image whose file name is not
+    UTF-8 ended the whole ingest in pyarrow's UnicodeEncodeError: it is kept, its key and source with the odd
+    byte written as \\xNN. An ingest whose sources hold no sample says so, not "rejected.jsonl says why"."""
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    rows = [{"file_name": "a.png", "text": {"en": "hi"}}, {"file_name": "b.png", "text": 5},
+            {"file_name": "c.png", "text": ["x"]}, {"file_name": "d.png", "text": "a caption"}]
+    for i, r in enumerate(rows):
+        (meta / r["file_name"]).write_bytes(png((i * 50, 10, 200)))
+    (meta / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    names = tmp_path / "names"
+    names.mkdir()
+    odd = os.fsdecode(b"caf\xe9")  # the name as Python holds it: a surrogate for the byte 0xe9
+    (names / f"{odd}.png").write_bytes(png((9, 200, 9)))
+    (names / f"{odd}.txt").write_text("a green square")
+    summary = ingest([str(meta), str(names)], tmp_path / "out", cfg(), progress=False)
+    assert summary["rejected"] == {"caption_not_text": 3} and summary["written"] == 2
+    ledger = sorted((r["key"], r["detail"]) for r in map(json.loads, (tmp_path / "out/rejected.jsonl").open()))
+    assert ledger == [("meta/a.png", "a dict: {'en': 'hi'}"), ("meta/b.png", "a int: 5"), ("meta/c.png", "a list: ['x']")]
+    tables = [pq.read_table(tmp_path / "out" / s.name) for s in schema.read_index(str(tmp_path / "out")).shards]
+    assert sorted((k, c) for t in tables for k, c in zip(t.column("key").to_pylist(), t.column("caption").to_pylist())) == [
+        ("meta/d.png", "a caption"), ("names/caf\\xe9.png", "a green square")]
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"caption": pa.array([], pa.string()), "jpg": pa.array([], pa.binary())}), empty)
+    assert main(["ingest", str(empty), "--out", str(tmp_path / "none"), "--resolution", "32", "--quiet"]) == 2
+    assert capsys.readouterr().err == "latentforge: error: ingest wrote no sample (its sources hold no sample)\n"
 
 
 def test_default_filters_reject_tiny_images_and_slivers_and_say_so(tmp_path, capsys):

@@ -79,6 +79,8 @@ def test_plan_cli_prints_the_table_and_writes_the_chart(tmp_path, capsys):
     (["--img-per-sec-per-gpu", "256:fast"], "KEY:VALUE"),
     (["--img-per-sec-per-gpu", "256:90"], "no throughput is given for it"),
     (["--throughput", "missing.json"], "no such file"),
+    (["--throughput", "zero.json"], "img_per_s_per_gpu must map resolutions to positive images a second, got {\"256\": 0}"),
+    (["--throughput", "words.json"], 'got {"256": "abc"}'),
     (["--mfu", "1.5"], "mfu: must be in (0, 1]"),
     (["--mfu", "0.4", "--img-per-sec-per-gpu", "256:90,512:30"], "give one of"),
     (["--resolution", "512"], "plan: --resolution is only used with --memory"),
@@ -90,6 +92,8 @@ def test_plan_cli_prints_the_table_and_writes_the_chart(tmp_path, capsys):
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "zero.json").write_text('{"img_per_s_per_gpu": {"256": 0}}')  # the key is there, its value is not usable
+    (tmp_path / "words.json").write_text('{"img_per_s_per_gpu": {"256": "abc"}}')
     assert main(["plan", "--recipe", "sd2-base", "--chart", "", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("latentforge: error:") and needle in err[0], err

@@ -169,6 +169,7 @@ def test_metadata_csv(tmp_path: Path):
 @pytest.mark.parametrize("content, match", [
     ('{"file_name": "a.png", "text": "x"}\nnot json\n', "line 2: not valid JSON"),
     ('{"text": "x"}\n', "no file_name"),
+    ('{"file_name": 5, "text": "x"}\n', "file_name 5 is not a path string"),
     ('{"file_name": "a.png"}\n{"file_name": "./a.png"}\n', "already described"),
 ])
 def test_malformed_metadata_is_a_user_error(tmp_path: Path, content: str, match: str):

@@ -502,6 +502,52 @@ def test_a_finished_phase_does_not_grow_on_resume(straight, latent_data, tmp_pat
     assert metrics(run_dir) == metrics(straight) and (run_dir / "train_config.yaml").read_bytes() == config
 
 
+def test_a_run_started_from_another_runs_checkpoint_is_checked_against_that_run(straight, latent_data, tmp_path,
+                                                                                capsys):
+    """``--resume PATH`` into a new run directory: its settings are checked against those of the run that
+    wrote PATH, as a resume in place is. The finished checkpoint with more steps for its phase was reported
+    "finished" with nothing trained; another U-Net ended in torch's list of shape mismatches. Both are one
+    line now, and the new directory is not created. A changed learning rate from the middle checkpoint
+    trains on, and the new run keeps the settings its first half ran with."""
+    last = straight / "checkpoints" / f"step-{STEPS:08d}"
+    middle = straight / "checkpoints" / f"step-{STEPS // 2:08d}"
+    with pytest.raises(UserError, match=rf"phase 0 finished at its {STEPS} steps in the run of {last}; a finished "
+                                        r"phase does not grow: add a phase to train\.phases to train on$"):
+        run(run_config(latent_data, f"train.phases.0.steps={2 * STEPS}"), tmp_path / "more", resume=str(last))
+    with pytest.raises(UserError, match=rf"resuming with a different train\.unet than the run of {middle} was "
+                                        rf"trained with \({straight / 'train_config.yaml'}\); restore the setting"):
+        run(run_config(latent_data, "train.unet.layers_per_block=2"), tmp_path / "wider", resume=str(middle))
+    assert not (tmp_path / "more").exists() and not (tmp_path / "wider").exists()
+    summary = run(run_config(latent_data, "train.optim.lr=5e-4"), tmp_path / "fork", resume=str(middle))
+    assert summary["step"] == STEPS and summary["finished"]
+    kept = f"train_config.until-step-{STEPS // 2:08d}.yaml"
+    assert f"the earlier ones are kept in {kept}" in capsys.readouterr().out
+    assert (tmp_path / "fork" / kept).read_bytes() == (straight / "train_config.yaml").read_bytes()
+
+
+def test_a_run_dir_that_is_a_file_is_refused_in_one_line(latent_data, tmp_path, capsys):
+    """Was "afile: File exists" (the mkdir's error), which does not say what is wrong."""
+    from latentforge.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    cfg = run_config(latent_data)
+    recipe.write_text(yaml.safe_dump({"train": cfg["train"], "loader": cfg["data"]}))
+    (tmp_path / "afile").write_text("mine")
+    assert main(["train", str(tmp_path / "afile"), "--recipe", str(recipe), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"latentforge: error: {tmp_path / 'afile'}: is a file; RUN_DIR names a run directory\n"
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(straight, latent_data, tmp_path):
+    """A checkpoint whose run config is gone (copied alone) and whose weights do not fit the model: one line
+    naming the first difference, not torch's list of every mismatched tensor."""
+    alone = tmp_path / "elsewhere" / "checkpoints" / f"step-{STEPS // 2:08d}"
+    shutil.copytree(straight / "checkpoints" / alone.name, alone)
+    with pytest.raises(UserError, match=rf"^{alone}: its weights do not fit this run's model \((Missing|Unexpected|size)"
+                                        r"[^\n]*\); resume with the train\.model / train\.unet / train\.dit settings"):
+        run(run_config(latent_data, "train.unet.layers_per_block=2"), tmp_path / "run", resume=str(alone))
+
+
 def test_resume_with_changed_settings_says_so_and_keeps_the_earlier_config(straight, latent_data, tmp_path, capsys):
     """Resumed from the middle checkpoint with another learning rate: one line names the change,
     the config the first half ran with is kept beside the new one."""

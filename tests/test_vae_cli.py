@@ -85,8 +85,17 @@ def test_train_vae_measures_its_scale_factor(tmp_path):
         check_trained_as(tmp_path / "vae", cfg)
     # a mismatched image size is refused before training
     cfg.model.sample_size = 32
-    with pytest.raises(ConfigError, match=r"model.sample_size: 32 != the dataset's resolution 16"):
+    with pytest.raises(ConfigError, match=r"^vae\.model\.sample_size: 32 != the dataset's resolution 16"):
         train_vae(cfg, tmp_path / "vae2", progress=False)
+    # held-out images that are not raw shards: named as the training data is (was a parquet column error)
+    latent = tmp_path / "latent"
+    latent.mkdir()
+    index = json.loads((held / "index.json").read_text())
+    (latent / "index.json").write_text(json.dumps({**index, "kind": "latent"}))
+    with pytest.raises(UserError, match=rf"^{latent}: train-vae evaluates on raw shards \(from ingest\), not 'latent'"):
+        train_vae(replace(cfg, eval_dataset=str(latent), model=replace(cfg.model, sample_size=16)), tmp_path / "vae3",
+                  progress=False)
+    assert not (tmp_path / "vae2").exists() and not (tmp_path / "vae3").exists()
 
 
 def test_psnr_of_known_error():

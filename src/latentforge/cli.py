@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -55,7 +56,8 @@ def cmd_ingest(ns, overrides):
     print(f"ingest: seen {summary['seen']}, written {summary['written']} in {summary['num_shards']} shards, "
           f"rejected {summary['num_rejected']} ({rej}); {summary.get('img_per_s')} img/s -> {ns.out}")
     if not summary["written"]:  # nothing to train on: a job that goes on to encode must not take this for success
-        print(f"latentforge: error: ingest wrote no sample ({ns.out}/rejected.jsonl says why)", file=sys.stderr)
+        why = f"{ns.out}/rejected.jsonl says why" if summary["seen"] else "its sources hold no sample"
+        print(f"latentforge: error: ingest wrote no sample ({why})", file=sys.stderr)
         return 2
 
 
@@ -147,6 +149,8 @@ def cmd_train(ns, overrides):
     from latentforge.train.run import RunConfig, train
 
     recipe = _recipe(ns, overrides, {"train.init_from": getattr(ns, "base", None)})
+    if os.path.exists(ns.run_dir) and not os.path.isdir(ns.run_dir):
+        raise UserError(f"{ns.run_dir}: is a file; RUN_DIR names a run directory")
     refuse_foreign_dir(ns.run_dir, ("train_config.yaml", "checkpoints"), "training run")
     if getattr(ns, "ray", False) or getattr(ns, "online_encode", False):
         return _train_on_ray(ns, recipe)
@@ -247,6 +251,14 @@ def cmd_sample(ns, overrides):
         raise UserError(f"{out}: is a file; --out names a directory")
     if (out / "grid.png").exists() and not ns.overwrite:
         raise UserError(f"{out}: already holds samples (grid.png); choose another --out or pass --overwrite")
+    if ns.num_per_prompt < 1:
+        raise UserError(f"--num-per-prompt: must be at least 1, got {ns.num_per_prompt}")
+    for p in ns.prompt:  # a terminal in another encoding passes bytes that are not UTF-8 (kept as surrogates)
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = p.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise UserError(f'--prompt "{shown}": not UTF-8 text; set the terminal\'s encoding to UTF-8') from None
     comps = load_components(ns.checkpoint, use_ema=not ns.no_ema, sampler=ns.sampler)
     prompts = [p for p in ns.prompt for _ in range(ns.num_per_prompt)]
     images = generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length,

@@ -350,6 +350,10 @@ def load_yaml(path: str | Path) -> dict:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path}: top level must be a mapping")
+    try:
+        json.dumps(data, default=str)  # plain data from here on: no node may contain itself
+    except ValueError:
+        raise ConfigError(f"recipe {path}: refers to itself (a YAML alias inside its own anchor)") from None
     return data
 
 

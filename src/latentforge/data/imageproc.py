@@ -29,6 +29,7 @@ REASONS = (
     "bad_aspect",  # long/short side above filters.max_aspect (default: twice the widest target's)
     "no_caption",  # no caption found for the image
     "empty_caption",  # caption present but blank
+    "caption_not_text",  # a metadata caption that is a number, list or mapping, not a string
     "caption_too_short",
     "caption_too_long",
     "below_threshold",  # a numeric column below filters.min_values
@@ -301,6 +302,8 @@ def check_caption(caption: str | None, filters: FilterConfig) -> str:
     """The cleaned caption, or raise :class:`Reject`."""
     if caption is None:
         raise Reject("no_caption")
+    if not isinstance(caption, str):
+        raise Reject("caption_not_text", f"a {type(caption).__name__}: {str(caption)[:80]}")
     text = " ".join(caption.replace("\ufeff", " ").split())  # a byte-order mark (from some editors) is not text
     if not text:
         raise Reject("empty_caption")

@@ -227,6 +227,9 @@ def read_index(root: str) -> DatasetIndex:
         d = json.loads(storage.read_bytes(uri))
     except json.JSONDecodeError:
         raise UserError(f"{uri}: not valid JSON") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{uri}: holds a JSON {type(d).__name__}, not a dataset index; rerun the ingest/encode "
+                        "that wrote it")
     if d.get("format") != FORMAT:
         raise UserError(f"{uri}: format {d.get('format')!r} is not {FORMAT!r}")
     if not isinstance(d.get("version"), int) or d["version"] > VERSION:

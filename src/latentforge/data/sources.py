@@ -145,7 +145,7 @@ class SourceRecord:
     source: str  # address of the sample: image uri, "tar_uri#member", "parquet_uri#row=12"
     key: str  # unique within the run
     image: bytes | None
-    caption: str | None  # None: no caption found
+    caption: Any  # a str; None: no caption found; a number, list or mapping is rejected (caption_not_text)
     license: str
     meta: dict
     error: str | None = None  # a rejection found while reading (see the module docstring)
@@ -515,7 +515,9 @@ def _plan_folder(root: str, raw: str, name: str, entries: list[storage.FileEntry
             where = f"{meta_uri} line {line}"
             file_name = row.pop("file_name", None)
             if not isinstance(file_name, str) or not file_name:
-                raise UserError(f"{where}: no file_name (the image path relative to the metadata file)")
+                raise UserError(f"{where}: " + ("no file_name" if file_name in (None, "") else
+                                                f"file_name {file_name!r} is not a path string")
+                                + " (the image path relative to the metadata file)")
             if storage.is_s3(file_name) or file_name.startswith("/") or os.path.isabs(file_name):
                 uri = file_name  # an absolute address: allowed only inside the source (confine, when read)
                 rel = _key_part(uri if storage.is_s3(uri) else os.path.normpath(uri), root)
@@ -580,7 +582,7 @@ def _iter_files(unit: WorkUnit, cfg: SourceConfig) -> Iterator[SourceRecord]:
             image, error, detail = _read_confined(image_uri, unit.uri, cfg)
         if error:
             caption = None  # a rejected record carries no data
-        yield SourceRecord(image_uri, key, image, None if caption is None else str(caption), lic, meta, error, detail)
+        yield SourceRecord(image_uri, key, image, caption, lic, meta, error, detail)
 
 
 # ---------------------------------------------------------------- WebDataset tars
@@ -687,7 +689,7 @@ def _iter_tar(unit: WorkUnit, cfg: SourceConfig) -> Iterator[SourceRecord]:
         if error:
             image = caption = None
         return SourceRecord(source, unique(f"{unit.name}/{group_key}"), image,
-                            None if caption is None else str(caption), _license(lic, cfg), meta, error, detail)
+                            caption, _license(lic, cfg), meta, error, detail)
 
     group_key: str | None = None
     members: dict[str, bytes] = {}
@@ -956,7 +958,7 @@ def _parquet_record(unit: WorkUnit, r: dict[str, Any], row: int, cols: _Columns,
         except UnicodeDecodeError as e:
             return SourceRecord(source, key, None, None, lic, meta, "caption_decode_error", str(e))
     image, error, detail = _parquet_image(r.get(cols.image), cols, base, unit.root or base, cfg)
-    return SourceRecord(source, key, image, None if caption is None or error else str(caption), lic, meta, error, detail)
+    return SourceRecord(source, key, image, None if error else caption, lic, meta, error, detail)
 
 
 # ---------------------------------------------------------------- reading

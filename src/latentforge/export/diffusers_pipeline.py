@@ -67,7 +67,9 @@ def export_pipeline(checkpoint: str | Path, out_dir: str | Path, use_ema: bool =
     from diffusers import StableDiffusionPipeline
 
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: is a file; export writes a new directory")
+    if out.exists() and any(out.iterdir()):
         raise UserError(f"{out}: exists and is not an empty directory; export writes a new directory")
     path = resolve_checkpoint(checkpoint)
     cfg, meta = load_run_files(run_dir_of(path))  # checked before loading any model

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -293,9 +294,16 @@ def load_bench_throughput(path: str) -> tuple[dict[str, float], str]:
     p = Path(path)
     try:
         data = json.loads(p.read_text())
-        table = {str(int(k)): float(v) for k, v in data["img_per_s_per_gpu"].items()}
+        measured = data["img_per_s_per_gpu"]
     except FileNotFoundError:
         raise UserError(f"--throughput {path}: no such file") from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
         raise UserError(f"--throughput {path}: not a JSON written by latentforge bench (no img_per_s_per_gpu)") from None
+    try:
+        table = {str(int(k)): float(v) for k, v in measured.items()}
+    except (TypeError, ValueError, AttributeError):
+        table = {}
+    if not table or not all(math.isfinite(v) and v > 0 for v in table.values()):
+        raise UserError(f"--throughput {path}: img_per_s_per_gpu must map resolutions to positive images a second, "
+                        f"got {json.dumps(measured)[:80]}")
     return table, f"measured by bench on {data.get('device_name', '?')} ({data.get('precision', '?')})"

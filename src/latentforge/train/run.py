@@ -192,9 +192,10 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: str, progress: bool, wor
         raise ConfigError("\n".join(problems))
     resume_from = ckpt.resolve_resume(run, resume)
     if world.is_main:
+        keep_earlier = _check_same_run(run, replace(cfg, train=tcfg), resume_from)
         run.mkdir(parents=True, exist_ok=True)
         take_lock(run)  # at the first write to the run directory
-        _check_same_run(run, replace(cfg, train=tcfg), resume_from)
+        keep_earlier()
         save_config(replace(cfg, train=tcfg), run / TRAIN_CONFIG)
         (run / DATA_META).write_text(json.dumps(meta, indent=1))
 
@@ -264,11 +265,20 @@ def _from_consolidated(sample_fn: Callable[[Any, int], None], unet_config: dict[
     return sample
 
 
-def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None:
-    """Resuming with a changed model or objective would silently train something else: refuse."""
+def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> Callable[[], None]:
+    """Resuming with a changed model or objective would silently train something else: refuse. A run
+    that starts in a new directory from another run's checkpoint (``--resume PATH``) is checked
+    against that run's settings (``PATH/../../train_config.yaml``), where they were kept. Returns
+    what to do once the run directory is held: keep the earlier settings beside the changed ones."""
+    if resume_from is None:
+        return lambda: None
     old = run / TRAIN_CONFIG
-    if resume_from is None or not old.exists():
-        return
+    if not old.exists():
+        old = resume_from.parent.parent / TRAIN_CONFIG
+        if not old.exists():
+            return lambda: None
+    started = "the run was started with" if old.parent == run else f"the run of {resume_from} was trained with"
+    shown_old = TRAIN_CONFIG if old.parent == run else str(old)
     from latentforge.config import load_config, to_dict
 
     saved = load_config(RunConfig, old)
@@ -281,8 +291,9 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
         if key in ("unet", "dit"):  # data-filled fields were None in the user's config
             n = {k: (v if v is not None else b.get(k)) for k, v in n.items()}
         if b != n:
-            raise UserError(f"{run}: resuming with a different train.{key} than the run was started with "
-                            f"({TRAIN_CONFIG}); use a new run directory or restore the setting")
+            raise UserError(f"{run}: resuming with a different train.{key} than {started} "
+                            f"({shown_old}); " + ("use a new run directory or restore the setting" if old.parent == run
+                                                   else "restore the setting, or train without --resume"))
     try:
         done = int(json.loads((resume_from / ckpt.META).read_text()).get("phase", 0))  # phases finished
     except (OSError, ValueError):
@@ -291,17 +302,23 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> None
         if (b.get("steps"), b.get("samples")) != (n.get("steps"), n.get("samples")):
             name = f" ({b['name']})" if b.get("name") else ""
             raise UserError(f"{run}: phase {i}{name} finished at its {b.get('steps') or b.get('samples')} "
-                            f"{'steps' if b.get('steps') else 'samples'}; a finished phase does not grow: add a phase to "
-                            "train.phases to train on, or use a new run directory")
+                            f"{'steps' if b.get('steps') else 'samples'}"
+                            + ("" if old.parent == run else f" in the run of {resume_from}")
+                            + "; a finished phase does not grow: add a phase to train.phases to train on"
+                            + (", or use a new run directory" if old.parent == run else ""))
     changes = _changes({"train": {k: v for k, v in before.items() if k not in fixed},
                         "data": to_dict(saved.data)},
                        {"train": {k: v for k, v in now.items() if k not in fixed}, "data": to_dict(cfg.data)})
-    if changes:
-        # The settings the earlier steps ran with stay on record next to the ones that replace them.
+    if not changes:
+        return lambda: None
+    earlier = old.read_bytes()
+
+    def keep() -> None:  # the settings the earlier steps ran with stay on record next to the ones that replace them
         kept = run / f"{Path(TRAIN_CONFIG).stem}.until-{resume_from.name}{Path(TRAIN_CONFIG).suffix}"
-        kept.write_bytes(old.read_bytes())
+        kept.write_bytes(earlier)
         shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
         print(f"train: resuming with changed settings ({shown}); the earlier ones are kept in {kept.name}", flush=True)
+    return keep
 
 
 def _changes(before: Any, now: Any, key: str = "") -> list[str]:

@@ -33,4 +33,14 @@ def load_run_files(run: Path) -> tuple[RunConfig, dict[str, Any]]:
     """A run directory's config and its data's meta, as training wrote them."""
     if not (run / TRAIN_CONFIG).exists() or not (run / DATA_META).exists():
         raise UserError(f"{run}: not a latentforge training run (no {TRAIN_CONFIG} / {DATA_META})")
-    return load_config(RunConfig, run / TRAIN_CONFIG), json.loads((run / DATA_META).read_text())
+    cfg = load_config(RunConfig, run / TRAIN_CONFIG)
+    try:
+        meta = json.loads((run / DATA_META).read_text())
+    except ValueError as e:
+        raise UserError(f"{run / DATA_META}: not valid JSON ({e}); rerunning `latentforge train` on the run "
+                        "writes it again") from None
+    missing = [k for k in ("vae", "text_encoder") if not isinstance(meta, dict) or not isinstance(meta.get(k), dict)]
+    if missing:
+        raise UserError(f"{run / DATA_META}: damaged (no {' / '.join(missing)} record); rerunning `latentforge "
+                        "train` on the run writes it again")
+    return cfg, meta

@@ -141,6 +141,8 @@ def psnr(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _load_eval_images(path: str, num: int) -> torch.Tensor:
     index = read_index(path)
+    if index.kind != "raw":
+        raise UserError(f"{path}: train-vae evaluates on raw shards (from ingest), not {index.kind!r} (vae.eval_dataset)")
     rows: list[dict] = []
     for shard in index.shards:
         rows += read_shard(storage.join(path, shard.name), columns=["image"]).to_pylist()
@@ -312,7 +314,7 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
         raise UserError(f"{cfg.data.datasets[0].path}: train-vae reads raw shards (from ingest), not {index.kind!r}")
     res = index.meta.get("resolution")
     if res and res != cfg.model.sample_size:
-        raise ConfigError(f"model.sample_size: {cfg.model.sample_size} != the dataset's resolution {res}")
+        raise ConfigError(f"vae.model.sample_size: {cfg.model.sample_size} != the dataset's resolution {res}")
     eval_images = _load_eval_images(cfg.eval_dataset, cfg.num_eval) if cfg.eval_dataset else None
 
     history: list[dict] = []
