@@ -346,6 +346,12 @@ def test_eval_end_to_end_metrics_cache_and_invalidation(tiny_run, models, incept
     with pytest.raises(UserError, match=r"holds images generated with other settings \(seed changed\)"):
         evaluate(eval_config(tiny_run, prompt_file, num_images=7, seed=1, clip=str(models["clip"])), tmp_path / "out",
                  progress=False)
+    # One evaluation at a time in OUT (it resumes, so a second one would write the same images): after its checks.
+    from latentforge.storage import directory_lock
+
+    with directory_lock(tmp_path / "out", "latentforge eval"):
+        with pytest.raises(UserError, match=r"out: another latentforge eval is working in this directory \(process"):
+            evaluate(cfg, tmp_path / "out", progress=False, lock="latentforge eval")
 
 
 def test_ranks_split_the_batches_and_give_the_images_of_one_rank(tiny_run, tmp_path):

@@ -274,6 +274,7 @@ def test_captions_that_are_not_text_are_rejected_and_names_that_are_not_utf8_kep
     tables = [pq.read_table(tmp_path / "out" / s.name) for s in schema.read_index(str(tmp_path / "out")).shards]
     assert sorted((k, c) for t in tables for k, c in zip(t.column("key").to_pylist(), t.column("caption").to_pylist())) == [
         ("meta/d.png", "a caption"), ("names/caf\\xe9.png", "a green square")]
+    assert [s for t in tables for s in t.column("source").to_pylist() if "caf" in s] == [f"{names}/caf\\xe9.png"]
 
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"caption": pa.array([], pa.string()), "jpg": pa.array([], pa.binary())}), empty)

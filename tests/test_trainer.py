@@ -517,7 +517,9 @@ def test_a_run_started_from_another_runs_checkpoint_is_checked_against_that_run(
     with pytest.raises(UserError, match=rf"resuming with a different train\.unet than the run of {middle} was "
                                         rf"trained with \({straight / 'train_config.yaml'}\); restore the setting"):
         run(run_config(latent_data, "train.unet.layers_per_block=2"), tmp_path / "wider", resume=str(middle))
-    assert not (tmp_path / "more").exists() and not (tmp_path / "wider").exists()
+    with pytest.raises(UserError, match=rf"resuming with a different train\.noise than the run of {middle}"):
+        run(run_config(latent_data, "train.noise.prediction_type=epsilon"), tmp_path / "eps", resume=str(middle))
+    assert not any((tmp_path / d).exists() for d in ("more", "wider", "eps"))
     summary = run(run_config(latent_data, "train.optim.lr=5e-4"), tmp_path / "fork", resume=str(middle))
     assert summary["step"] == STEPS and summary["finished"]
     kept = f"train_config.until-step-{STEPS // 2:08d}.yaml"

@@ -314,7 +314,7 @@ def cmd_eval(ns, overrides):
     # torchrun: prompts split across ranks, rank 0 measures; a plain process needs no process group.
     world = init_world(recipe.eval.device) if read_env().world_size > 1 else None
     try:
-        results = evaluate(recipe.eval, ns.out, progress=not ns.quiet, world=world)
+        results = evaluate(recipe.eval, ns.out, progress=not ns.quiet, world=world, lock="latentforge eval")
     finally:
         if world is not None:
             close_world()

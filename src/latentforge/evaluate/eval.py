@@ -166,8 +166,9 @@ def generate_all(cfg: EvalConfig, prompts: Sequence[str], out: Path, rank: int =
     return info
 
 
-def _check_settings(cfg: EvalConfig, prompts: Sequence[str], out: Path) -> None:
-    """Images already in OUT must come from the same model, prompts and sampling settings."""
+def _check_settings(cfg: EvalConfig, prompts: Sequence[str], out: Path, take_lock: Callable[[Path], None]) -> None:
+    """Images already in OUT must come from the same model, prompts and sampling settings; then
+    ``take_lock(out)``, before the first write."""
     settings = {"model": _model_identity(cfg), "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
                 "num_images": len(prompts), "num_steps": cfg.num_steps, "seed": cfg.seed, "batch_size": cfg.batch_size}
     path = out / GENERATION
@@ -177,8 +178,10 @@ def _check_settings(cfg: EvalConfig, prompts: Sequence[str], out: Path) -> None:
         if changed:
             raise UserError(f"{out}: holds images generated with other settings ({', '.join(changed)} changed); "
                             "choose another output directory")
+        take_lock(out)
         return
     out.mkdir(parents=True, exist_ok=True)
+    take_lock(out)
     storage.atomic_write_bytes(path, json.dumps(settings, indent=1).encode())
 
 
@@ -276,9 +279,18 @@ def _label(extractor: Any) -> str:
     return f"fd_{extractor.name}"
 
 
-def evaluate(cfg: EvalConfig, out: str | Path, progress: bool = True, world: Any = None) -> dict[str, Any] | None:
-    """Generate (resumably, split across ranks) and measure; rank 0 returns the results, other ranks None."""
-    out = Path(out)
+def evaluate(cfg: EvalConfig, out: str | Path, progress: bool = True, world: Any = None,
+             lock: str = "") -> dict[str, Any] | None:
+    """Generate (resumably, split across ranks) and measure; rank 0 returns the results, other ranks None.
+    ``lock``: the command's name (e.g. "latentforge eval"): rank 0 holds ``out``'s lock
+    (:func:`latentforge.storage.directory_lock`) from its first write there, so a second evaluation into
+    it stops in one line."""
+    with storage.lock_at_first_write(lock) as take_lock:
+        return _evaluate(cfg, Path(out), progress, world, take_lock)
+
+
+def _evaluate(cfg: EvalConfig, out: Path, progress: bool, world: Any,
+              take_lock: Callable[[Path], None]) -> dict[str, Any] | None:
     rank, world_size = (world.rank, world.world_size) if world is not None else (0, 1)
     prompts = load_prompts(cfg.prompts, cfg.prompt_column)
     num = cfg.num_images or len(prompts)
@@ -308,7 +320,7 @@ def evaluate(cfg: EvalConfig, out: str | Path, progress: bool = True, world: Any
                 raise UserError(f"KID: subset size {cfg.kid_subset_size} needs at least {cfg.kid_subset_size} images on "
                                 f"each side, got {len(ref)} reference and {num} generated per scale (set "
                                 f"eval.kid_subset_size <= {min(len(ref), num)} or use more images)")
-        _check_settings(cfg, prompts, out)
+        _check_settings(cfg, prompts, out, take_lock)
         save_config(cfg, out / "eval_config.yaml")
     if world is not None and world.barrier is not None:
         world.barrier()  # rank 0 checked the inputs and wrote generation.json
