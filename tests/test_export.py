@@ -427,7 +427,9 @@ def test_incomplete_or_missing_checkpoint_is_refused(run_copy, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("damage, words", [("{bad", "not valid JSON"), ("[1]", "damaged (no vae / text_encoder record)"),
-                                           ('{"vae": {}}', "damaged (no text_encoder record)")])
+                                           ('{"vae": {"path": "v"}}', "damaged (no text_encoder record)"),
+                                           ('{"vae": {}, "text_encoder": {"path": "t", "max_length": 8}}',
+                                            "damaged (no vae record)")])
 def test_a_damaged_data_meta_is_refused_in_one_line(run_copy, tmp_path, capsys, damage, words):
     """The run's data_meta.json names its VAE and text encoder: damaged, it was a JSONDecodeError or a
     TypeError traceback in sample and export; now one line that says how to write it again."""

@@ -270,7 +270,7 @@ def test_captions_that_are_not_text_are_rejected_and_names_that_are_not_utf8_kep
     summary = ingest([str(meta), str(names)], tmp_path / "out", cfg(), progress=False)
     assert summary["rejected"] == {"caption_not_text": 3} and summary["written"] == 2
     ledger = sorted((r["key"], r["detail"]) for r in map(json.loads, (tmp_path / "out/rejected.jsonl").open()))
-    assert ledger == [("meta/a.png", "a dict: {'en': 'hi'}"), ("meta/b.png", "a int: 5"), ("meta/c.png", "a list: ['x']")]
+    assert ledger == [("meta/a.png", "dict: {'en': 'hi'}"), ("meta/b.png", "int: 5"), ("meta/c.png", "list: ['x']")]
     tables = [pq.read_table(tmp_path / "out" / s.name) for s in schema.read_index(str(tmp_path / "out")).shards]
     assert sorted((k, c) for t in tables for k, c in zip(t.column("key").to_pylist(), t.column("caption").to_pylist())) == [
         ("meta/d.png", "a caption"), ("names/caf\\xe9.png", "a green square")]

@@ -108,8 +108,9 @@ class _Stages:
         self.timings[self._name] = round(time.perf_counter() - self._start, 1)
 
 
-LOCK = "latentforge demo"  # held on OUT, and by each stage on the directory it writes (OUT/raw, OUT/vae, OUT/run...):
-                           # `latentforge train OUT/run` (or train-vae, encode, ingest) beside the demo stops in one line
+LOCK = "latentforge demo"  # held on OUT, and by the ingest, VAE, encode and training stages on the directories they
+                           # write (OUT/raw, OUT/vae, OUT/latents, OUT/run, ...): `latentforge train OUT/run` (or
+                           # train-vae, encode, ingest) beside the demo stops in one line
 
 
 def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:

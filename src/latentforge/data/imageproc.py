@@ -303,7 +303,7 @@ def check_caption(caption: str | None, filters: FilterConfig) -> str:
     if caption is None:
         raise Reject("no_caption")
     if not isinstance(caption, str):
-        raise Reject("caption_not_text", f"a {type(caption).__name__}: {str(caption)[:80]}")
+        raise Reject("caption_not_text", f"{type(caption).__name__}: {str(caption)[:80]}")
     text = " ".join(caption.replace("\ufeff", " ").split())  # a byte-order mark (from some editors) is not text
     if not text:
         raise Reject("empty_caption")

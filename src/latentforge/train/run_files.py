@@ -39,7 +39,9 @@ def load_run_files(run: Path) -> tuple[RunConfig, dict[str, Any]]:
     except ValueError as e:
         raise UserError(f"{run / DATA_META}: not valid JSON ({e}); rerunning `latentforge train` on the run "
                         "writes it again") from None
-    missing = [k for k in ("vae", "text_encoder") if not isinstance(meta, dict) or not isinstance(meta.get(k), dict)]
+    needed = {"vae": ("path",), "text_encoder": ("path", "max_length")}  # what sample and export read
+    missing = [k for k, fields in needed.items() if not isinstance(meta, dict) or not isinstance(meta.get(k), dict)
+               or any(f not in meta[k] for f in fields)]
     if missing:
         raise UserError(f"{run / DATA_META}: damaged (no {' / '.join(missing)} record); rerunning `latentforge "
                         "train` on the run writes it again")
