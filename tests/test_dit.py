@@ -314,6 +314,11 @@ def test_exported_pixart_pipeline_loads_offline_and_reproduces_sample(run, expor
     c = load_components(run)
     our_latents = generate_latents(c.model, c.text_model, c.tokenizer, c.noise, c.max_length, PROMPTS, 7, STEPS, CFG)
     torch.testing.assert_close(theirs("latent"), our_latents, rtol=1e-5, atol=1e-5)
+    # One step: PixArt returns the step's predicted clean latents, not the scheduler's next sample
+    one = pipe(PROMPTS, num_inference_steps=1, guidance_scale=CFG, height=RES, width=RES,
+               generator=torch.Generator("cpu").manual_seed(7), output_type="latent", **call).images
+    torch.testing.assert_close(one, generate_latents(c.model, c.text_model, c.tokenizer, c.noise, c.max_length, PROMPTS,
+                                                     7, 1, CFG), rtol=1e-5, atol=1e-5)
 
 
 def test_fine_tuning_an_exported_transformer_into_a_unet_is_one_line(exported, latents, tmp_path, capsys):

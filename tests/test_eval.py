@@ -128,8 +128,12 @@ def test_kid_matches_numpy_unbiased_mmd():
     mean, std = metrics.kernel_inception_distance(torch.tensor(x), torch.tensor(y), subset_size=m, subsets=1)
     assert mean == pytest.approx(expected, rel=1e-6) and std == 0
     # Subsets are drawn from a seeded generator: the same seed gives the same value.
+    state = torch.random.get_rng_state()
     a = metrics.kernel_inception_distance(torch.tensor(x), torch.tensor(y), subset_size=10, subsets=5, seed=3)
     assert a == metrics.kernel_inception_distance(torch.tensor(x), torch.tensor(y), subset_size=10, subsets=5, seed=3)
+    # ... and the seed is used (another draws other subsets), without touching the global generator
+    assert a != metrics.kernel_inception_distance(torch.tensor(x), torch.tensor(y), subset_size=10, subsets=5, seed=4)
+    assert torch.equal(torch.random.get_rng_state(), state)
     with pytest.raises(UserError, match="KID: subset size 31 needs at least 31 images"):
         metrics.kernel_inception_distance(torch.tensor(x), torch.tensor(y), subset_size=31)
 
@@ -138,6 +142,9 @@ def test_fid_sample_warning_says_how_many_are_needed():
     assert metrics.fid_sample_warning(5000, 5000, 2048) is None
     msg = metrics.fid_sample_warning(100, 300, 2048)
     assert "100 images for 2048-dim features" in msg and "at least 2049 images" in msg
+    # the boundary: N = D samples give a covariance of rank D - 1, still singular; D + 1 is the first that is not
+    assert "2048 images for 2048-dim features" in metrics.fid_sample_warning(2048, 5000, 2048)
+    assert metrics.fid_sample_warning(5000, 2049, 2048) is None
     with pytest.raises(UserError, match="at least 2 images"):
         metrics.fid_sample_warning(1, 10, 64)
 

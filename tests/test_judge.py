@@ -67,6 +67,13 @@ def test_clustered_interval_by_hand_and_its_limits():
     assert clustered_interval([6] * 6, [6] * 6) == (*wilson_interval(6, 6), 6.0)  # all right: the 6-trial bound
     # homogeneous clusters (each half right): no between-prompt variance, every image counts
     assert clustered_interval([3, 3, 3], [6, 6, 6])[2] == 18.0
+    # clusters that vary less than independent images would (p = 0.5, variance 1/300 < p(1-p)/20): the
+    # effective size is capped at the 20 images there are (75 without the cap), and so is the interval
+    lo, hi, n_eff = clustered_interval([2, 3, 3, 2], [5, 5, 5, 5])
+    assert n_eff == 20.0
+    q = t_dist.ppf(0.975, 3)
+    half = q / (1 + q * q / 20) * math.sqrt(0.25 / 20 + q * q / (4 * 20 * 20))
+    assert (lo, hi) == pytest.approx((0.5 - half, 0.5 + half), abs=2e-3)
     assert clustered_interval([], []) == (0.0, 1.0, 0.0)
     with pytest.raises(ValueError):
         clustered_interval([4], [3])
