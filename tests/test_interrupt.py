@@ -429,10 +429,10 @@ def test_one_training_at_a_time_in_a_run_directory(setup, tmp_path, capsys, capl
 
 
 def test_each_stage_command_stops_in_a_directory_a_demo_holds(latent_data, setup, tmp_path, capsys):  # noqa: F811
-    """The demo holds the directory of each of its stages (OUT/raw, OUT/vae, OUT/latents, OUT/run) as well
-    as OUT: `latentforge ingest`, `train-vae`, `encode` or `train` into one of them meanwhile stops in one
-    line naming the demo and its process, after its checks and before it writes there. A refused setting
-    is still named first and leaves no directory behind."""
+    """The demo holds the directories of its ingest, VAE, encode and training stages (OUT/raw, OUT/vae,
+    OUT/latents, OUT/run) as well as OUT: `latentforge ingest`, `train-vae`, `encode` or `train` into one of
+    them meanwhile stops in one line naming the demo and its process, after its checks and before it
+    writes there. A refused setting is still named first and leaves no directory behind."""
     from PIL import Image
 
     from latentforge.cli import main
