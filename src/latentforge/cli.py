@@ -253,12 +253,11 @@ def cmd_sample(ns, overrides):
         raise UserError(f"{out}: already holds samples (grid.png); choose another --out or pass --overwrite")
     if ns.num_per_prompt < 1:
         raise UserError(f"--num-per-prompt: must be at least 1, got {ns.num_per_prompt}")
+    from latentforge.storage import as_utf8
+
     for p in ns.prompt:  # a terminal in another encoding passes bytes that are not UTF-8 (kept as surrogates)
-        try:
-            p.encode("utf-8")
-        except UnicodeEncodeError:
-            shown = p.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            raise UserError(f'--prompt "{shown}": not UTF-8 text; set the terminal\'s encoding to UTF-8') from None
+        if as_utf8(p) != p:
+            raise UserError(f'--prompt "{as_utf8(p)}": not UTF-8 text; set the terminal\'s encoding to UTF-8')
     comps = load_components(ns.checkpoint, use_ema=not ns.no_ema, sampler=ns.sampler)
     prompts = [p for p in ns.prompt for _ in range(ns.num_per_prompt)]
     images = generate(comps.unet, comps.vae, comps.text_model, comps.tokenizer, comps.noise, comps.max_length,

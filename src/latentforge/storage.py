@@ -42,6 +42,16 @@ def split_s3(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
+def as_utf8(name: str) -> str:
+    """``name`` as UTF-8 text: bytes that are not UTF-8 (which Python keeps as surrogate escapes, in a
+    file name or an argument) written as ``\\xNN``; a lone surrogate from elsewhere (a JSON escape) as
+    ``\\udNNN``. Text that is UTF-8 already comes back as it is."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 LOCK_FILE = ".latentforge.lock"
 
 

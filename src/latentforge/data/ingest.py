@@ -85,20 +85,6 @@ def _tick(n: int) -> None:
         _progress_queue.put(n)
 
 
-def _utf8(name: str) -> str:
-    """A file name that is not UTF-8 (which Python keeps as surrogate escapes) with its odd bytes
-    written as ``\\xNN``: the shards and the ledger hold UTF-8 text only, and the sample is kept."""
-    try:
-        name.encode("utf-8")
-        return name
-    except UnicodeEncodeError:
-        pass
-    try:  # the bytes of the file system's name
-        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a lone surrogate from elsewhere (a JSON escape): as \udNNN
-        return name.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def process_unit(index: int, unit: WorkUnit, cfg: IngestConfig, parts_dir: str) -> dict:
     """Read, filter and store every record of one unit; write its shard and then its marker."""
     parts = Path(parts_dir)
@@ -114,7 +100,8 @@ def process_unit(index: int, unit: WorkUnit, cfg: IngestConfig, parts_dir: str) 
     pending_ticks = 0
     try:
         for rec in iter_records(unit, cfg.source):
-            rec = replace(rec, key=_utf8(rec.key), source=_utf8(rec.source))
+            # the shards and the ledger hold UTF-8 text: a name that is not UTF-8 is kept, its odd bytes as \xNN
+            rec = replace(rec, key=storage.as_utf8(rec.key), source=storage.as_utf8(rec.source))
             num_seen += 1
             pending_ticks += 1
             if pending_ticks >= 16:

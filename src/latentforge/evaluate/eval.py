@@ -172,17 +172,17 @@ def _check_settings(cfg: EvalConfig, prompts: Sequence[str], out: Path, take_loc
     settings = {"model": _model_identity(cfg), "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
                 "num_images": len(prompts), "num_steps": cfg.num_steps, "seed": cfg.seed, "batch_size": cfg.batch_size}
     path = out / GENERATION
-    if path.exists():
+    resumed = path.exists()
+    if resumed:
         before = json.loads(path.read_text())
         changed = sorted(k for k in set(settings) | set(before) if settings.get(k) != before.get(k))
         if changed:
             raise UserError(f"{out}: holds images generated with other settings ({', '.join(changed)} changed); "
                             "choose another output directory")
-        take_lock(out)
-        return
     out.mkdir(parents=True, exist_ok=True)
     take_lock(out)
-    storage.atomic_write_bytes(path, json.dumps(settings, indent=1).encode())
+    if not resumed:
+        storage.atomic_write_bytes(path, json.dumps(settings, indent=1).encode())
 
 
 def generated_images(out: Path, g: float, num: int) -> list[Path]:

@@ -277,8 +277,9 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> Call
         old = resume_from.parent.parent / TRAIN_CONFIG
         if not old.exists():
             return lambda: None
-    started = "the run was started with" if old.parent == run else f"the run of {resume_from} was trained with"
-    shown_old = TRAIN_CONFIG if old.parent == run else str(old)
+    own = old.parent == run  # else the settings of the run that wrote the checkpoint
+    started = "the run was started with" if own else f"the run of {resume_from} was trained with"
+    shown_old = TRAIN_CONFIG if own else str(old)
     from latentforge.config import load_config, to_dict
 
     saved = load_config(RunConfig, old)
@@ -292,7 +293,7 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> Call
             n = {k: (v if v is not None else b.get(k)) for k, v in n.items()}
         if b != n:
             raise UserError(f"{run}: resuming with a different train.{key} than {started} "
-                            f"({shown_old}); " + ("use a new run directory or restore the setting" if old.parent == run
+                            f"({shown_old}); " + ("use a new run directory or restore the setting" if own
                                                    else "restore the setting, or train without --resume"))
     try:
         done = int(json.loads((resume_from / ckpt.META).read_text()).get("phase", 0))  # phases finished
@@ -303,9 +304,9 @@ def _check_same_run(run: Path, cfg: RunConfig, resume_from: Path | None) -> Call
             name = f" ({b['name']})" if b.get("name") else ""
             raise UserError(f"{run}: phase {i}{name} finished at its {b.get('steps') or b.get('samples')} "
                             f"{'steps' if b.get('steps') else 'samples'}"
-                            + ("" if old.parent == run else f" in the run of {resume_from}")
+                            + ("" if own else f" in the run of {resume_from}")
                             + "; a finished phase does not grow: add a phase to train.phases to train on"
-                            + (", or use a new run directory" if old.parent == run else ""))
+                            + (", or use a new run directory" if own else ""))
     changes = _changes({"train": {k: v for k, v in before.items() if k not in fixed},
                         "data": to_dict(saved.data)},
                        {"train": {k: v for k, v in now.items() if k not in fixed}, "data": to_dict(cfg.data)})
