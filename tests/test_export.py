@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+import yaml
 from diffusers import StableDiffusionPipeline
 from PIL import Image
 from transformers import AutoTokenizer
@@ -439,6 +440,23 @@ def test_a_damaged_data_meta_is_refused_in_one_line(run_copy, tmp_path, capsys, 
     _one_error_line(capsys, f"{run_copy / 'data_meta.json'}: {words}", "rerunning `latentforge train`")
     assert main(["export", "--checkpoint", str(run_copy), "--out", str(out)]) == 2
     _one_error_line(capsys, words)
+    assert not out.exists()
+
+
+def test_a_train_config_of_another_model_is_refused_in_one_line(run_copy, tmp_path, capsys):
+    """The run's train_config.yaml edited (or copied from another run) so that it builds another U-Net:
+    sample and export named the first mismatched weight in one line, not torch's list of them all."""
+    config = run_copy / "train_config.yaml"
+    cfg = yaml.safe_load(config.read_text())
+    cfg["train"]["unet"]["layers_per_block"] = 2
+    config.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    step_dir = ckpt.find_latest(run_copy)
+    assert main(_sample_args(run_copy, out)) == 2
+    _one_error_line(capsys, f"{step_dir}: its weights do not fit the model of {config} (",
+                    "the checkpoint and that file must come from the same run")
+    assert main(["export", "--checkpoint", str(run_copy), "--out", str(out)]) == 2
+    _one_error_line(capsys, "its weights do not fit the model of")
     assert not out.exists()
 
 

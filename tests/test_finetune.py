@@ -473,6 +473,25 @@ def test_full_finetune_with_fsdp_cpu_offload_on_one_process(assets, tmp_path, mo
     assert_same_tensors(load_step(straight, STEPS), load_step(resumed, STEPS), groups=("model",))
 
 
+def test_a_base_replaced_by_another_unet_after_training_is_one_line(assets, tmp_path, capsys):
+    """A full fine-tune's base pipeline given another U-Net after the run (sd2v's linear projections in place
+    of sd1's convolutions): sample and export named the first mismatched weight in one line, not torch's
+    list of them all."""
+    pipe = Path(shutil.copytree(assets["sd1"], tmp_path / "pipe"))
+    args = finetune_args(assets, "sd1", tmp_path / "run")
+    args[args.index("--from") + 1] = str(pipe)
+    assert main(args) == 0
+    shutil.rmtree(pipe / "unet")
+    shutil.copytree(assets["sd2v"] / "unet", pipe / "unet")
+    out = tmp_path / "out"
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 2
+    _one_error_line(capsys, f"its weights do not fit the denoiser of the base {pipe} (size mismatch",
+                    "fine-tune from the base this checkpoint was trained on")
+    assert not out.exists()
+    assert main(["sample", "--checkpoint", str(tmp_path / "run"), "--out", str(out), "--prompt", "a red circle"]) == 2
+    _one_error_line(capsys, "its weights do not fit the denoiser of the base")
+
+
 @pytest.mark.parametrize("component", ["unet", "vae"])
 def test_a_base_weights_file_that_is_not_safetensors_is_one_line(assets, tmp_path, capsys, component):
     """A pickle in place of the base pipeline's .safetensors: refused in one line naming the file,

@@ -664,6 +664,11 @@ def test_a_pinned_judge_is_used_only_where_the_run_would_train_the_same_judge(tm
     (damaged / "judge.json").write_text("{")
     with pytest.raises(UserError, match=r"judge.json: not valid JSON .*; delete .*damaged to train the judge again"):
         load_judge(damaged)
+    record = json.loads((pinned / "judge.json").read_text())  # a record of another width beside the weights
+    (damaged / "judge.json").write_text(json.dumps({**record, "width": 2 * int(record["width"])}))
+    with pytest.raises(UserError, match=r"judge.safetensors: its weights do not fit the judge of .*damaged/judge.json "
+                                        r"\(size mismatch for [^\n]*\); delete .*damaged to train the judge again$"):
+        load_judge(damaged)
     assert main(["demo", "--pin-judge", str(pinned), "--rescore", "2"]) == 2
     assert "give one" in capsys.readouterr().err
 

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from latentforge import checkpoint as ckpt
+from latentforge.config import save_config
 from latentforge.data.loader import LoaderConfig, StreamConfig
 from latentforge.models.autoencoder import load_vae
 from latentforge.train import vae as vae_module
-from latentforge.errors import ConfigError
+from latentforge.errors import ConfigError, UserError
 from latentforge.train.vae import VAETrainConfig, _load_eval_images, noise_latents, psnr, reconstruction_loss, train_vae
 from tiny_models import make_raw_dataset
 
@@ -327,3 +329,29 @@ def test_mid_block_attention_switch_reaches_the_saved_vae(tmp_path):
     assert attention_params(without) == 0
     without.save_pretrained(tmp_path, safe_serialization=True)
     assert attention_params(load_vae(str(tmp_path))) == 0
+
+
+def test_checkpoints_of_another_vae_are_refused_in_one_line(raw, tmp_path, monkeypatch):
+    """A run stopped after its first checkpoint, then its train_vae_config.yaml replaced by another VAE's
+    and that VAE asked for: the resume named the first mismatched weight in one line, not torch's list."""
+    save = ckpt.save_checkpoint
+
+    def save_then_crash(*args, **kwargs):
+        save(*args, **kwargs)
+        raise KeyboardInterrupt  # the process dies right after the checkpoint
+
+    out = tmp_path / "vae"
+    cfg = vae_config(raw, seed=0, steps=4)
+    cfg.checkpoint_every_steps = 2
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "save_checkpoint", save_then_crash)
+        with pytest.raises(KeyboardInterrupt):
+            train_vae(cfg, out, progress=False)
+    step_dir = ckpt.find_latest(out)
+    assert step_dir is not None and step_dir.name == ckpt.checkpoint_dir_name(2)
+    cfg.model.block_out_channels = (8, 32)
+    save_config(cfg, out / vae_module.CONFIG_FILE)
+    with pytest.raises(UserError, match=rf"^{step_dir}: its weights do not fit the VAE of "
+                                        rf"{out / vae_module.CONFIG_FILE} \((Missing|Unexpected|size)[^\n]*\); "
+                                        "the checkpoints and that file must come from the same run$"):
+        train_vae(cfg, out, progress=False)

@@ -120,6 +120,18 @@ def clean_state_dict_keys(sd: Mapping[str, Any]) -> dict[str, Any]:
     return dict(zip(keys, sd.values()))
 
 
+def load_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], where: str, fits: str,
+                 remedy: str) -> None:
+    """``model.load_state_dict(tensors)``, strict. Weights of another architecture stop with one line,
+    ``WHERE: its weights do not fit FITS (the first difference); REMEDY``, instead of torch's list of
+    every missing, unexpected and resized tensor."""
+    try:
+        model.load_state_dict(tensors)
+    except RuntimeError as e:
+        first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e).strip())
+        raise UserError(f"{where}: its weights do not fit {fits} ({first}); {remedy}") from None
+
+
 # ---------------------------------------------------------------------------------------- writing
 
 

@@ -28,7 +28,7 @@ from latentforge.models.autoencoder import load_vae, vae_fingerprint
 from latentforge.models.text import encode_text, load_text_encoder, text_encoder_fingerprint
 from latentforge.models.denoiser import denoiser_for, denoiser_of
 from latentforge.train.ema import evaluation_weights
-from latentforge.train.run_files import load_run_files
+from latentforge.train.run_files import TRAIN_CONFIG, load_run_files
 
 
 @dataclass
@@ -112,7 +112,8 @@ def load_components(checkpoint: str | Path, use_ema: bool = True, device: str | 
         unet = model_for_run(cfg.train, c.tensors[group], str(path))
     else:
         unet = denoiser_for(cfg.train).build()
-        unet.load_state_dict(c.tensors[group])
+        ckpt.load_weights(unet, c.tensors[group], str(path), f"the model of {run / TRAIN_CONFIG}",
+                          "the checkpoint and that file must come from the same run")
     unet.to(device).eval()
     vae, text_model, tokenizer = load_encoders(meta, device)
     return Components(unet, vae, text_model, tokenizer, cfg.train.noise, int(meta["text_encoder"]["max_length"]),

@@ -37,6 +37,7 @@ from PIL import Image
 from torch import nn
 from tqdm import tqdm
 
+from latentforge.checkpoint import load_weights
 from latentforge.config import with_defaults
 from latentforge.data.synth import COLORS, POSITIONS, SHAPES, SIZES
 from latentforge.errors import Problems, UserError
@@ -801,11 +802,8 @@ def load_judge(out_dir: str | Path, cfg: JudgeConfig | None = None, trained_on: 
         m = Judge(c["color"], [s for s in c["shape"] if s != NONE], c["size"], c["position"], width=int(meta["width"]),
                   levels=int(meta.get("levels", 2)), pool=str(meta.get("pool", "max")))
         prefix = f"{i}."
-        try:
-            m.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
-        except RuntimeError as e:
-            raise UserError(f"{d / JUDGE_WEIGHTS}: does not fit the judge of {d / JUDGE_META} "
-                            f"({str(e).splitlines()[0]}); {remedy}") from None
+        load_weights(m, {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                     str(d / JUDGE_WEIGHTS), f"the judge of {d / JUDGE_META}", remedy)
         members.append(m.eval())
     model = members[0] if len(members) == 1 else JudgeEnsemble(members).eval()
     rules = cfg if (weights_only and cfg is not None) else (meta.get("config") or {})

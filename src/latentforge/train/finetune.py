@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from latentforge.checkpoint import load_weights
 from latentforge.diffusion.schedule import NoiseScheduleConfig
 from latentforge.errors import ConfigError, Problems, UserError
 from latentforge.models.denoiser import BACKBONES, Denoiser, denoiser_from_config
@@ -342,7 +343,8 @@ def model_for_run(tcfg: Any, tensors: dict[str, torch.Tensor], where: str) -> to
     base = open_base(tcfg.init_from)
     if tcfg.lora is None:
         model = base.denoiser.build()
-        model.load_state_dict(tensors)
+        load_weights(model, tensors, where, f"the denoiser of the base {tcfg.init_from}",
+                     "fine-tune from the base this checkpoint was trained on")
         return model
     model = build_finetune_model(base, tcfg.lora)
     load_trainable_state_dict(model, tensors, where)

@@ -615,12 +615,8 @@ class Trainer:
             if self.trainable_only:
                 load_trainable_state_dict(self.model, c.tensors["model"], str(path))
             else:
-                try:
-                    self.model.load_state_dict(c.tensors["model"])
-                except RuntimeError as e:  # another architecture: name the first difference, not torch's list of all
-                    first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e))
-                    raise UserError(f"{path}: its weights do not fit this run's model ({first}); resume with the "
-                                    "train.model / train.unet / train.dit settings that wrote it") from None
+                ckpt.load_weights(self.model, c.tensors["model"], str(path), "this run's model",
+                                  "resume with the train.model / train.unet / train.dit settings that wrote it")
             self.optimizer.load_state_dict(c.state["optimizer"])
         self.lr_scheduler.load_state_dict(c.state["lr_scheduler"])
         set_rng_state(c.state["rng"])

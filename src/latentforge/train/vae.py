@@ -326,7 +326,8 @@ def _train_vae(cfg: VAETrainConfig, out: Path, progress: bool, stop: StopOnSigna
     if resume_from is not None:
         _check_same_config(out, cfg)
         c = ckpt.load_checkpoint(resume_from)
-        vae.load_state_dict(c.tensors["model"])
+        ckpt.load_weights(vae, c.tensors["model"], str(resume_from), f"the VAE of {out / CONFIG_FILE}",
+                          "the checkpoints and that file must come from the same run")
         opt.load_state_dict(c.state["optimizer"])
         sched.load_state_dict(c.state["lr_scheduler"])
         gen.set_state(c.state["generator"])
