@@ -528,3 +528,24 @@ def test_a_run_never_deletes_or_overwrites_checkpoints_it_did_not_write(tmp_path
     assert resolve_resume(tmp_path, "auto").name == "step-00000005"
     _save(tmp_path, 6, keep_last=1)
     assert _steps(tmp_path) == [6]
+
+
+def test_weights_of_another_model_stop_in_one_line_naming_the_first_difference():
+    """torch lists every missing, unexpected and resized tensor over many lines; load_weights keeps one
+    line: the first two names of a list and how many there are, or the first resized tensor."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    full = model.state_dict()
+    cases = {
+        "Missing key(s) in state_dict: \"1.weight\", \"1.bias\", ... (4 in all)":
+            {k: v for k, v in full.items() if k.startswith("0.")},
+        "Unexpected key(s) in state_dict: \"extra\"": {**full, "extra": torch.zeros(1)},
+        "size mismatch for 0.weight: copying a param with shape torch.Size([5, 2]) from checkpoint, the shape in "
+        "current model is torch.Size([3, 2])": {**full, "0.weight": torch.zeros(5, 2)},
+    }
+    for first, tensors in cases.items():
+        with pytest.raises(UserError) as e:
+            ckpt.load_weights(model, tensors, "W", "the model of C", "fix it")
+        assert str(e.value) == f"W: its weights do not fit the model of C ({first}); fix it"
+    before = {k: v.clone() for k, v in full.items()}
+    ckpt.load_weights(model, {k: v + 1 for k, v in before.items()}, "W", "the model of C", "fix it")  # fits: loaded
+    assert all(torch.equal(model.state_dict()[k], before[k] + 1) for k in before)

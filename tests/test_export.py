@@ -453,8 +453,8 @@ def test_a_train_config_of_another_model_is_refused_in_one_line(run_copy, tmp_pa
     out = tmp_path / "out"
     step_dir = ckpt.find_latest(run_copy)
     assert main(_sample_args(run_copy, out)) == 2
-    _one_error_line(capsys, f"{step_dir}: its weights do not fit the model of {config} (",
-                    "the checkpoint and that file must come from the same run")
+    _one_error_line(capsys, f"{step_dir}: its weights do not fit the model of {config} (Missing key(s) in state_dict: ",
+                    " in all)); the checkpoint and that file must come from the same run")
     assert main(["export", "--checkpoint", str(run_copy), "--out", str(out)]) == 2
     _one_error_line(capsys, "its weights do not fit the model of")
     assert not out.exists()

@@ -124,11 +124,16 @@ def load_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], wh
                  remedy: str) -> None:
     """``model.load_state_dict(tensors)``, strict. Weights of another architecture stop with one line,
     ``WHERE: its weights do not fit FITS (the first difference); REMEDY``, instead of torch's list of
-    every missing, unexpected and resized tensor."""
+    every missing, unexpected and resized tensor. The first difference is torch's first line of them:
+    its first two missing (or unexpected) names and how many there are, or the first resized tensor."""
     try:
         model.load_state_dict(tensors)
     except RuntimeError as e:
-        first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e).strip())
+        first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e).strip()).rstrip(".")
+        head, _, names = first.partition(": ")
+        listed = names.split(", ")
+        if head.startswith(("Missing key(s)", "Unexpected key(s)")) and len(listed) > 2:
+            first = f"{head}: {', '.join(listed[:2])}, ... ({len(listed)} in all)"
         raise UserError(f"{where}: its weights do not fit {fits} ({first}); {remedy}") from None
 
 
