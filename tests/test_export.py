@@ -30,6 +30,7 @@ from latentforge.cli import main
 from latentforge.config import from_dict
 from latentforge.data.encode import EncodeConfig, encode_dataset
 from latentforge.diffusion.schedule import SAMPLERS, scheduler_config
+from latentforge.errors import UserError
 from latentforge.export.diffusers_pipeline import load_exported
 from latentforge.inference import (
     decode_latents,
@@ -458,6 +459,16 @@ def test_a_train_config_of_another_model_is_refused_in_one_line(run_copy, tmp_pa
     assert main(["export", "--checkpoint", str(run_copy), "--out", str(out)]) == 2
     _one_error_line(capsys, "its weights do not fit the model of")
     assert not out.exists()
+
+
+def test_an_exported_pipeline_with_damaged_weights_is_one_line(build_run, exports, tmp_path):
+    """Truncated U-Net weights in an export: diffusers raised three chained tracebacks (the demo's
+    --rescore showed them); load_exported says which directory and what to do."""
+    damaged = Path(shutil.copytree(exports(build_run("bert")), tmp_path / "export"))
+    weights = damaged / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(UserError, match=rf"^{damaged}: the exported pipeline does not load \(.+\); export it again$"):
+        load_exported(damaged)
 
 
 def test_sample_refuses_a_prompt_that_is_not_utf8(build_run, tmp_path, capsys):

@@ -378,7 +378,8 @@ def test_one_demo_at_a_time_in_a_directory_and_a_killed_one_leaves_no_lock(tmp_p
         assert capsys.readouterr().err.strip() == (
             f"latentforge: error: {out}: another latentforge demo is working in this directory (process {os.getpid()}); "
             "wait for it to end, or use another directory")
-        for name in ("recipe.yaml", "export/model_index.json", "synth/labels.jsonl"):  # a finished demo, as rescore sees it
+        for name in ("recipe.yaml", "export/model_index.json", "export/latentforge_export.json",
+                     "synth/labels.jsonl"):  # a finished demo, as rescore sees it
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             (out / name).write_text("")
         assert main(["demo", "--out", str(out), "--rescore", "2"]) == 2

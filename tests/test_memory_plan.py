@@ -171,8 +171,13 @@ def test_bench_times_the_step_through_the_recipes_parallel_wrappers(monkeypatch,
     err = capsys.readouterr().err
     assert code != 0 and err.count("\n") == 1 and "needs a process group" in err, err
     # Refused before any step is timed: contradicting flags, an output the result could not be written to.
+    # (run 45's probe: --out naming the recipe itself overwrote it with the JSON; a new directory's name was
+    # found only after the run, a name too long for the file system was a traceback)
     for args, needle in ((["--synthetic", "--real-data"], "--synthetic and --real-data contradict each other"),
-                         (["--out", str(tmp_path)], "is a directory; give a file name")):
+                         (["--out", str(tmp_path)], "is a directory; give a file name"),
+                         (["--out", str(tmp_path / "new") + "/"], "is a directory; give a file name"),
+                         (["--out", str(tmp_path / "mine.yaml")], "mine.yaml: give a file ending in .json"),
+                         (["--out", str(tmp_path / ("x" * 300 + ".json"))], "File name too long")):
         assert main(["bench", "--recipe", "tiny-cpu", "--steps", "1", *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err, err

@@ -353,6 +353,9 @@ def cmd_demo(ns, overrides):
 
     if ns.pin_judge is not None and ns.rescore is not None:
         raise UserError("demo: --pin-judge trains a judge for a recipe, --rescore scores a finished demo; give one")
+    for flag, value in (("--out", ns.out), ("--pin-judge", ns.pin_judge)):
+        if value is not None and not value.strip():
+            raise UserError(f"demo {flag}: empty; give a directory")
     if ns.rescore is not None:
         if ns.recipe:
             raise UserError(f"demo --rescore reads the recipe the demo ran with ({ns.out}/recipe.yaml); leave out --recipe")
@@ -376,10 +379,13 @@ def _output_file(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> None:
     """Checked before the work that fills it: a directory, a missing parent or a format the
     writer cannot make would otherwise lose the result at the end."""
     p = Path(path)
-    if p.is_dir():
-        raise UserError(f"{flag} {path}: is a directory; give a file name")
-    if not p.parent.is_dir():
-        raise UserError(f"{flag} {path}: no directory {p.parent}")
+    try:
+        if p.is_dir() or path.endswith("/"):
+            raise UserError(f"{flag} {path}: is a directory; give a file name")
+        if not p.parent.is_dir():
+            raise UserError(f"{flag} {path}: no directory {p.parent}")
+    except OSError as e:
+        raise UserError(f"{flag} {path[:80]}{'...' if len(path) > 80 else ''}: {e.strerror}") from None
     if suffixes and p.suffix.lower() not in suffixes:
         raise UserError(f"{flag} {path}: give a file ending in {' or '.join(suffixes)}")
 
@@ -389,7 +395,7 @@ def cmd_bench(ns, overrides):
 
     if ns.synthetic and ns.real_data:
         raise UserError("bench: --synthetic and --real-data contradict each other; give one")
-    _output_file(ns.out, "--out")
+    _output_file(ns.out, "--out", (".json",))  # JSON that plan --throughput reads (and never the recipe's YAML)
     recipe = _recipe(ns, overrides, {})
     synthetic = True if ns.synthetic else (False if ns.real_data else None)
     result = run_bench(recipe, steps=ns.steps, warmup=ns.warmup, synthetic=synthetic, progress=True)
@@ -645,7 +651,7 @@ def _quiet_libraries() -> None:
 
 
 # Where each command writes (run_dir: of train and finetune only; report reads one).
-_OUTPUTS = {"out": "--out", "chart": "--chart", "json": "--json"}
+_OUTPUTS = {"out": "--out", "chart": "--chart", "json": "--json", "pin_judge": "--pin-judge"}
 
 
 def _check_local_outputs(ns: argparse.Namespace) -> None:

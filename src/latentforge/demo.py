@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -69,9 +70,13 @@ class DemoConfig:
 
     def validate(self) -> None:
         problems = Problems()
-        for name in ("prompts_per_combo", "batch_size"):
+        for name in ("prompts_per_combo", "batch_size", "num_steps", "num_seen_combos"):
             if getattr(self, name) < 1:
                 problems.add(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if not self.guidance_scale > 0:  # (the config loader refuses what is not finite)
+            problems.add(f"guidance_scale: must be a number above 0, got {self.guidance_scale}")
+        if self.seed < 0:
+            problems.add(f"seed: must be 0 or more, got {self.seed}")
         if self.new_wording_per_combo < 0:
             problems.add(f"new_wording_per_combo: must be 0 (= prompts_per_combo) or more, got {self.new_wording_per_combo}")
         if self.curve_per_combo < 0:
@@ -113,10 +118,28 @@ LOCK = "latentforge demo"  # held on OUT, and by the ingest, VAE, encode and tra
                            # train-vae, encode, ingest) beside the demo stops in one line
 
 
+def _check_before_work(recipe: Any, out_dir: str | Path) -> None:
+    """What would stop the demo minutes in, refused before its first stage: a directory that holds
+    something else, a recipe that is not a demo's (no phase to train, or phases on datasets of
+    their own), a pinned judge that is not there."""
+    from latentforge.storage import refuse_foreign_dir
+
+    refuse_foreign_dir(out_dir, ("synth", "recipe.yaml"), "latentforge demo")
+    if not recipe.train.phases:
+        raise UserError("train.phases: empty; the demo trains at least one phase (the shipped tiny-cpu recipe has one)")
+    named = [i for i, p in enumerate(recipe.train.phases) if p.datasets]
+    if named:
+        raise UserError(f"train.phases.{named[0]}.datasets: the demo trains on the latents it encodes itself; leave "
+                        "the phases' datasets out (is this a demo recipe? `latentforge train` runs the others)")
+    if recipe.demo.pinned_judge:
+        _check_pinned_judge(recipe)
+
+
 def run_demo(recipe: Any, out_dir: str | Path, progress: bool = True) -> dict:
     """The demo's stages in ``out_dir`` (a rerun resumes them), one demo at a time in a directory."""
     from latentforge.storage import directory_lock
 
+    _check_before_work(recipe, out_dir)
     with directory_lock(out_dir, LOCK):
         return _run_demo(recipe, out_dir, progress)
 
@@ -306,6 +329,17 @@ def _pinned_trained_on(recipe: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             {"synth": asdict(type(recipe.synth)())})
 
 
+def _check_pinned_judge(recipe: Any) -> Path:
+    """The directory of ``demo.pinned_judge`` (set), or one line when it holds no judge."""
+    from latentforge.evaluate.judge import JUDGE_META, JUDGE_WEIGHTS
+
+    d = pinned_judge_dir(recipe.demo.pinned_judge)
+    if not (d / JUDGE_META).is_file() or not (d / JUDGE_WEIGHTS).is_file():
+        raise UserError(f"demo.pinned_judge: no judge in {d} ({JUDGE_WEIGHTS} and {JUDGE_META}); write one with "
+                        f"`latentforge demo --pin-judge {d}`, or set demo.pinned_judge= to train the judge in the run")
+    return d
+
+
 def _pinned_judge(recipe: Any, out: Path) -> tuple[Any, dict[str, Any]] | None:
     """``demo.pinned_judge`` and its report when it is the judge this run would train: the same
     ``demo.judge`` training settings (its scoring settings, the floor and the outline checks, are the
@@ -315,14 +349,11 @@ def _pinned_judge(recipe: Any, out: Path) -> tuple[Any, dict[str, Any]] | None:
     directory holds no judge."""
     import sys
 
-    from latentforge.evaluate.judge import JUDGE_META, JUDGE_WEIGHTS, load_judge, training_fingerprint
+    from latentforge.evaluate.judge import load_judge, training_fingerprint
 
     if not recipe.demo.pinned_judge:
         return None
-    d = pinned_judge_dir(recipe.demo.pinned_judge)
-    if not (d / JUDGE_META).is_file() or not (d / JUDGE_WEIGHTS).is_file():
-        raise UserError(f"demo.pinned_judge: no judge in {d} ({JUDGE_WEIGHTS} and {JUDGE_META}); write one with "
-                        f"`latentforge demo --pin-judge {d}`, or set demo.pinned_judge= to train the judge in the run")
+    d = _check_pinned_judge(recipe)
     loaded = load_judge(d, recipe.demo.judge, *_pinned_trained_on(recipe), weights_only=True,
                         remedy=f"write it again with `latentforge demo --pin-judge {d}`, or set demo.pinned_judge= "
                                "to train the judge in the run")
@@ -360,6 +391,12 @@ def pin_judge(recipe: Any, out_dir: str | Path, progress: bool = True) -> tuple[
     from latentforge.data.synth import generate
     from latentforge.evaluate.judge import build_judge, save_judge
 
+    from latentforge.evaluate.judge import JUDGE_META
+    from latentforge.storage import refuse_foreign_dir
+
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise UserError(f"--pin-judge {out_dir}: is a file; give a directory for the judge")
+    refuse_foreign_dir(out_dir, (JUDGE_META,), "judge")  # a judge there is replaced; anything else is kept
     trained_on, _ = _pinned_trained_on(recipe)
     with tempfile.TemporaryDirectory() as tmp:
         synth = Path(tmp) / "synth"
@@ -546,6 +583,22 @@ def _use_sampler(pipe: Any, out: Path, sampler: str) -> None:
 RESCORE_DIR = "rescore"
 
 
+def _kept_scoring(cached: Path, key: dict, guidance_scale: float) -> tuple[dict, float] | None:
+    """The evaluation and seconds an earlier rescore kept in ``cached`` at these demo settings and
+    this scoring code; ``None`` when there is none, it is of other settings or an older scoring, or
+    it does not read back (a damaged file is scored again, not trusted)."""
+    if not cached.is_file():
+        return None
+    try:
+        saved = json.loads(cached.read_text())
+        if saved.get("demo") != key or saved.get("scoring") != SCORING:
+            return None
+        rescore_row(guidance_scale, saved["evaluation"], saved["seconds"])  # every figure the table reads is there
+        return saved["evaluation"], saved["seconds"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: list[str] | None = None,
                  progress: bool = True) -> dict[str, Any]:
     """Score a finished demo's exported pipeline again at other guidance scales, without training:
@@ -566,13 +619,14 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
     overrides = list(overrides or [])
     if not (out / "recipe.yaml").is_file():
         raise UserError(f"{out}: no recipe.yaml, not a demo directory; run `latentforge demo --out {out}` first")
-    if not (out / "export" / "model_index.json").is_file() or not (out / "synth" / "labels.jsonl").is_file():
+    if (not (out / "export" / "model_index.json").is_file() or not (out / "export" / "latentforge_export.json").is_file()
+            or not (out / "synth" / "labels.jsonl").is_file()):
         raise UserError(f"{out}: the demo has not finished (no exported pipeline); rerun "
                         f"`latentforge demo --out {out}` to finish it, then rescore")
     if not guidance_scales:
         raise UserError("--rescore: give at least one guidance scale, e.g. --rescore 2,3,4")
-    if any(not g > 0 for g in guidance_scales):
-        raise UserError(f"--rescore: guidance scales must be positive, got {guidance_scales}")
+    if any(not (math.isfinite(g) and g > 0) for g in guidance_scales):
+        raise UserError(f"--rescore: guidance scales must be finite and positive, got {guidance_scales}")
     bad = [o for o in overrides if not o.startswith("demo.") or o.split("=")[0] == "demo.guidance_scale"]
     if bad:
         raise UserError(f"--rescore scores the exported model as it is: only demo.* settings (not "
@@ -602,10 +656,10 @@ def _rescore(out: Path, guidance_scales: list[float], overrides: list[str], prog
         gdir = out / RESCORE_DIR / (f"{judge_tag}-{name}" if judge_tag else name)
         key = json.loads(json.dumps(asdict(cfg.demo), default=str))
         cached = gdir / "evaluation.json"
-        saved = json.loads(cached.read_text()) if cached.is_file() else None
+        kept = _kept_scoring(cached, key, float(g))
         t0 = time.perf_counter()
-        if saved is not None and saved.get("demo") == key and saved.get("scoring") == SCORING:
-            evaluation, seconds = saved["evaluation"], saved["seconds"]
+        if kept is not None:
+            evaluation, seconds = kept
         else:
             evaluation = _evaluate(cfg, out, judge, grid_dir=gdir)
             seconds = round(time.perf_counter() - t0, 1)

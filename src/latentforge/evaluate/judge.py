@@ -158,6 +158,12 @@ class JudgeConfig:
             problems.add(f"star_min_points: must be in (0, 1) (an amplitude over the mean radius), got {self.star_min_points}")
         if self.num_nonshapes < 0:
             problems.add(f"num_nonshapes: must be >= 0, got {self.num_nonshapes}; 0 = no non-shape images")
+        if not self.lr > 0:
+            problems.add(f"lr: must be > 0, got {self.lr}")
+        if not self.noise_std >= 0:
+            problems.add(f"noise_std: must be >= 0 (0 = no added noise), got {self.noise_std}")
+        if self.seed < 0:
+            problems.add(f"seed: must be >= 0, got {self.seed}")
         problems.raise_if_any()
 
 

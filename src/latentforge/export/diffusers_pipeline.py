@@ -175,6 +175,9 @@ def load_exported(export_dir: str | Path):
     try:
         with no_loading_bars():
             pipe = DiffusionPipeline.from_pretrained(str(export_dir), local_files_only=True)
+    except (OSError, ValueError) as e:  # a damaged or incomplete directory: diffusers' chained tracebacks
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise UserError(f"{export_dir}: the exported pipeline does not load ({first}); export it again") from None
     finally:
         logger.removeFilter(quiet)
     pipe.set_progress_bar_config(disable=True)
