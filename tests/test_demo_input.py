@@ -50,7 +50,7 @@ def test_a_recipe_that_is_not_a_demo_recipe_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_an_out_that_is_empty_or_holds_something_else_is_refused(tmp_path, capsys, monkeypatch):
+def test_an_out_that_is_empty_a_file_or_holds_something_else_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["demo", "--quiet", "--out", ""]) == 2  # was the working directory
     _one_error_line(capsys, "demo --out: empty; give a directory")
@@ -60,6 +60,10 @@ def test_an_out_that_is_empty_or_holds_something_else_is_refused(tmp_path, capsy
     assert main(["demo", "--quiet", "--out", str(mine)]) == 2  # the demo began its stages in it
     _one_error_line(capsys, f"{mine}: exists, is not empty and holds no latentforge demo")
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    (tmp_path / "afile").write_text("keep")
+    assert main(["demo", "--quiet", "--out", "afile"]) == 2
+    _one_error_line(capsys, "afile: is a file; --out names the demo's directory")
+    assert (tmp_path / "afile").read_text() == "keep"
 
 
 def test_pin_judge_refuses_a_directory_of_other_files_a_file_and_object_storage(tmp_path, capsys):

@@ -124,6 +124,8 @@ def _check_before_work(recipe: Any, out_dir: str | Path) -> None:
     their own), a pinned judge that is not there."""
     from latentforge.storage import refuse_foreign_dir
 
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():  # was "OUT: File exists", from the lock's mkdir
+        raise UserError(f"{out_dir}: is a file; --out names the demo's directory")
     refuse_foreign_dir(out_dir, ("synth", "recipe.yaml"), "latentforge demo")
     if not recipe.train.phases:
         raise UserError("train.phases: empty; the demo trains at least one phase (the shipped tiny-cpu recipe has one)")
@@ -389,9 +391,7 @@ def pin_judge(recipe: Any, out_dir: str | Path, progress: bool = True) -> tuple[
     import tempfile
 
     from latentforge.data.synth import generate
-    from latentforge.evaluate.judge import build_judge, save_judge
-
-    from latentforge.evaluate.judge import JUDGE_META
+    from latentforge.evaluate.judge import JUDGE_META, build_judge, save_judge
     from latentforge.storage import refuse_foreign_dir
 
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
