@@ -72,8 +72,11 @@ def test_pin_judge_refuses_a_directory_of_other_files_a_file_and_object_storage(
     (mine / "sub").mkdir(parents=True)
     (mine / "notes.txt").write_text("keep")
     assert main(["demo", "--quiet", "--pin-judge", str(mine)]) == 2
-    _one_error_line(capsys, f"{mine}: exists, is not empty and holds no judge (no judge.json)")
+    _one_error_line(capsys, f"--pin-judge {mine}: holds notes.txt, not a judge's file; use a new or empty directory")
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "sub"]
+    (mine / "judge.json").write_text("{}")  # a judge beside them: replaced whole, so refused too
+    assert main(["demo", "--quiet", "--pin-judge", str(mine)]) == 2
+    _one_error_line(capsys, f"--pin-judge {mine}: holds notes.txt")
     afile = tmp_path / "afile.txt"
     afile.write_text("keep")
     assert main(["demo", "--quiet", "--pin-judge", str(afile)]) == 2  # trained first, then failed on afile.txt.tmp

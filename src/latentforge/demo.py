@@ -391,12 +391,16 @@ def pin_judge(recipe: Any, out_dir: str | Path, progress: bool = True) -> tuple[
     import tempfile
 
     from latentforge.data.synth import generate
-    from latentforge.evaluate.judge import JUDGE_META, build_judge, save_judge
-    from latentforge.storage import refuse_foreign_dir
+    from latentforge.evaluate.judge import JUDGE_META, JUDGE_WEIGHTS, build_judge, save_judge
+    from latentforge.storage import LOCK_FILE
 
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise UserError(f"--pin-judge {out_dir}: is a file; give a directory for the judge")
-    refuse_foreign_dir(out_dir, (JUDGE_META,), "judge")  # a judge there is replaced; anything else is kept
+    d = Path(out_dir)
+    if d.exists() and not d.is_dir():
+        raise UserError(f"--pin-judge {d}: is a file; give a directory for the judge")
+    other = sorted(p.name for p in d.iterdir() if p.name not in (JUDGE_META, JUDGE_WEIGHTS, LOCK_FILE)) if d.is_dir() else []
+    if other:  # the judge replaces the whole directory
+        raise UserError(f"--pin-judge {d}: holds {other[0]}, not a judge's file; use a new or empty directory, or "
+                        "one that holds only a judge")
     trained_on, _ = _pinned_trained_on(recipe)
     with tempfile.TemporaryDirectory() as tmp:
         synth = Path(tmp) / "synth"
