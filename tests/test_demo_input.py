@@ -44,9 +44,15 @@ def test_bad_settings_are_refused_before_the_first_stage(tmp_path, capsys, setti
 
 def test_a_recipe_that_is_not_a_demo_recipe_is_refused(tmp_path, capsys):
     """sd2-base trains on datasets of its own: the demo ran its synth, ingest and VAE stages, then
-    failed on those datasets."""
+    failed on those datasets. finetune-8gb failed after the synth (below)."""
     assert main(["demo", "--quiet", "--recipe", "sd2-base", "--out", str(tmp_path / "out")]) == 2
     _one_error_line(capsys, "train.phases.0.datasets: the demo trains on the latents it encodes itself")
+    assert not (tmp_path / "out").exists()
+    # finetune-8gb ingests at 512 px: every 64 px render was rejected after the synth stage
+    assert main(["demo", "--quiet", "--recipe", "finetune-8gb", "--out", str(tmp_path / "out")]) == 2
+    _one_error_line(capsys, "ingest.image.resolution: 512 px keeps images of at least 256 px")
+    assert main(["demo", "--quiet", "--out", str(tmp_path / "out"), "train.init_from=somewhere"]) == 2
+    _one_error_line(capsys, "train.init_from / train.lora: the demo trains its denoiser from scratch")
     assert not (tmp_path / "out").exists()
 
 
@@ -99,9 +105,9 @@ def _fake_finished_demo(out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("scales", ["inf", "1e400", "nan", "0", "-1", ","])
+@pytest.mark.parametrize("scales", ["inf", "1e400", "nan", "0", "-1", ",", "2,,3", "2,2", "3,"])
 def test_rescore_refuses_scales_that_are_not_finite_and_positive(tmp_path, capsys, scales):
-    """inf was scored: NaN images, every figure 0%, exit 0."""
+    """inf was scored: NaN images, every figure 0%, exit 0; "2,,3" dropped its empty item and "2,2" scored 2 twice."""
     out = _fake_finished_demo(tmp_path / "demo")
     assert main(["demo", "--quiet", "--out", str(out), "--rescore", scales]) == 2
     _one_error_line(capsys, "--rescore: ")
@@ -115,6 +121,18 @@ def test_rescore_of_a_demo_without_its_export_record_is_refused(tmp_path, capsys
     assert main(["demo", "--quiet", "--out", str(out), "--rescore", "2"]) == 2
     _one_error_line(capsys, f"{out}: the demo has not finished (no exported pipeline)")
 
+
+
+def test_rescore_refuses_an_empty_recipe_record_and_a_pinned_judge_that_is_not_there(tmp_path, capsys):
+    """An empty OUT/recipe.yaml read as the default recipe (another model's settings); a
+    demo.pinned_judge named on the command line that does not exist was passed over in silence."""
+    out = _fake_finished_demo(tmp_path / "demo")
+    assert main(["demo", "--quiet", "--out", str(out), "--rescore", "2", "demo.pinned_judge=nowhere/judge"]) == 2
+    _one_error_line(capsys, "demo.pinned_judge: no judge in nowhere/judge")
+    (out / "recipe.yaml").write_text("")
+    assert main(["demo", "--quiet", "--out", str(out), "--rescore", "2"]) == 2
+    _one_error_line(capsys, f"{out}/recipe.yaml: empty, so it would read as the default recipe")
+    assert not (out / "rescore").exists()
 
 
 def test_a_damaged_kept_rescore_is_scored_again_not_trusted(tmp_path):

@@ -381,7 +381,7 @@ def test_one_demo_at_a_time_in_a_directory_and_a_killed_one_leaves_no_lock(tmp_p
         for name in ("recipe.yaml", "export/model_index.json", "export/latentforge_export.json",
                      "synth/labels.jsonl"):  # a finished demo, as rescore sees it
             (out / name).parent.mkdir(parents=True, exist_ok=True)
-            (out / name).write_text("")
+            (out / name).write_text("name: tiny-cpu\n" if name == "recipe.yaml" else "")
         assert main(["demo", "--out", str(out), "--rescore", "2"]) == 2
         assert "another latentforge demo is working in this directory" in capsys.readouterr().err
     assert not list(out.glob("synth/*.png"))  # the refused demo wrote nothing

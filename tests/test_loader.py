@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
 import pickle
+import signal
 import threading
 from pathlib import Path
 
@@ -22,8 +24,10 @@ from latentforge.data.loader import (
     StreamConfig,
     build_loader,
     open_dataset,
+    worker_init,
 )
 from latentforge.errors import ConfigError, UserError
+from latentforge.interrupt import InterruptConfig, StopOnSignal, caught_signals
 from s3_server import new_bucket, start_moto, use_endpoint
 
 LATENT_COLUMNS = {
@@ -133,6 +137,32 @@ def test_two_ranks_read_the_epoch_exactly_once(tmp_path, latent_ds):
     assert sorted(per_rank[0] + per_rank[1]) == sorted(f"a{i}" for i in range(2000))
     for r in ranks:
         r.close()
+
+
+def test_a_worker_outlives_a_stop_signal_sent_to_the_whole_process_group(tmp_path, latent_ds, capfd):
+    """Ctrl-C, ``timeout`` and ``kill -- -PGID`` signal the data workers too. torch's workers died on
+    SIGTERM, and the dead worker raised "DataLoader worker ... is killed by signal" in the middle of the
+    parent's step: the demo stopped so in its VAE stage exited 1 with a traceback and no checkpoint. Under
+    a StopOnSignal the workers ignore the signals it catches (and do not print its message a second
+    time); the parent alone decides when to stop, and reads on until then."""
+    assert caught_signals() == () and worker_init(0) is None
+    loader = build_loader(config(tmp_path, latent_ds, num_workers=1), 25)
+    before = set(multiprocessing.active_children())
+    with StopOnSignal(InterruptConfig(), what="reader") as stop:
+        assert set(caught_signals()) == {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1}
+        assert pickle.loads(pickle.dumps(worker_init(1))).args == (caught_signals(),)  # for "spawn" too
+        batches = iter(loader)
+        first = next(batches)
+        workers = [w for w in multiprocessing.active_children() if w not in before]
+        assert len(workers) == 1
+        for num in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            os.kill(workers[0].pid, num)
+        workers[0].join(timeout=3)  # returns at once if the worker died
+        assert workers[0].is_alive() and not stop.requested
+        rest = [next(batches) for _ in range(8)]
+    loader.close()
+    assert keys_of([first, *rest]) == keys_of(take(build_loader(config(tmp_path, latent_ds), 25), 9))
+    assert "received" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("old,new", [((1, 30), (3, 10)), ((2, 12), (3, 7)), ((4, 5), (1, 16))])

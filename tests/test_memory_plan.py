@@ -177,7 +177,10 @@ def test_bench_times_the_step_through_the_recipes_parallel_wrappers(monkeypatch,
                          (["--out", str(tmp_path)], "is a directory; give a file name"),
                          (["--out", str(tmp_path / "new") + "/"], "is a directory; give a file name"),
                          (["--out", str(tmp_path / "mine.yaml")], "mine.yaml: give a file ending in .json"),
-                         (["--out", str(tmp_path / ("x" * 300 + ".json"))], "File name too long")):
+                         (["--out", str(tmp_path / ("x" * 300 + ".json"))], "File name too long"),
+                         # were timed as full training of the from-scratch denoiser, without a word
+                         (["train.init_from=somewhere"], "does not read train.init_from; leave it out"),
+                         (["train.lora={}"], "not LoRA adapters on a frozen one")):
         assert main(["bench", "--recipe", "tiny-cpu", "--steps", "1", *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err, err

@@ -294,8 +294,9 @@ def cmd_export(ns, overrides):
 
 
 def _float_list(text: str, flag: str = "--cfg", example: str = "1,2,4,8") -> list[float]:
+    """Comma-separated numbers (an empty item is a typo, not a request: refused)."""
     try:
-        return [float(v) for v in text.split(",") if v.strip()]
+        return [float(v) for v in text.split(",")]
     except ValueError:
         raise UserError(f"{flag}: expected comma-separated numbers, e.g. {example}; got {text!r}") from None
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from latentforge import checkpoint as ckpt
-from latentforge.config import save_config
+from latentforge.config import load_yaml, save_config
 from latentforge.data.loader import StreamConfig
 from latentforge.errors import Problems, UserError
 from latentforge.evaluate.alignment import SCORING, WORDINGS
@@ -120,8 +120,9 @@ LOCK = "latentforge demo"  # held on OUT, and by the ingest, VAE, encode and tra
 
 def _check_before_work(recipe: Any, out_dir: str | Path) -> None:
     """What would stop the demo minutes in, refused before its first stage: a directory that holds
-    something else, a recipe that is not a demo's (no phase to train, or phases on datasets of
-    their own), a pinned judge that is not there."""
+    something else, a recipe that is not a demo's (no phase to train, phases on datasets of their
+    own, a fine-tune, an ingest size that rejects the demo's renders), a pinned judge that is not there."""
+    from latentforge.data.imageproc import size_limits
     from latentforge.storage import refuse_foreign_dir
 
     if Path(out_dir).exists() and not Path(out_dir).is_dir():  # was "OUT: File exists", from the lock's mkdir
@@ -133,6 +134,15 @@ def _check_before_work(recipe: Any, out_dir: str | Path) -> None:
     if named:
         raise UserError(f"train.phases.{named[0]}.datasets: the demo trains on the latents it encodes itself; leave "
                         "the phases' datasets out (is this a demo recipe? `latentforge train` runs the others)")
+    if recipe.train.init_from or recipe.train.lora is not None:
+        raise UserError("train.init_from / train.lora: the demo trains its denoiser from scratch; leave them out "
+                        "(`latentforge finetune` fine-tunes a pipeline)")
+    min_side, _ = size_limits(recipe.ingest.filters, recipe.ingest.image)
+    if recipe.synth.image_size < min_side:  # finetune-8gb: 64 px renders, 512 px ingest (was found after the synth)
+        raise UserError(f"ingest.image.resolution: {recipe.ingest.image.resolution} px keeps images of at least "
+                        f"{min_side} px (ingest.filters.min_side), and the demo renders its own at synth.image_size="
+                        f"{recipe.synth.image_size}: every one would be rejected (is this a demo recipe? the shipped "
+                        "one is tiny-cpu)")
     if recipe.demo.pinned_judge:
         _check_pinned_judge(recipe)
 
@@ -617,6 +627,7 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
     pinned judge if it is theirs), validated at those settings, and score into
     ``OUT/rescore/judge-TAG-guidance-G/``; the run's own judge (``OUT/judge``) and evaluations are
     never replaced."""
+    from latentforge.recipe import load_recipe
     from latentforge.storage import directory_lock
 
     out = Path(out_dir)
@@ -631,10 +642,18 @@ def rescore_demo(out_dir: str | Path, guidance_scales: list[float], overrides: l
         raise UserError("--rescore: give at least one guidance scale, e.g. --rescore 2,3,4")
     if any(not (math.isfinite(g) and g > 0) for g in guidance_scales):
         raise UserError(f"--rescore: guidance scales must be finite and positive, got {guidance_scales}")
+    if len(set(guidance_scales)) < len(guidance_scales):  # would score one scale twice
+        raise UserError(f"--rescore: duplicates in {guidance_scales}; give each guidance scale once")
     bad = [o for o in overrides if not o.startswith("demo.") or o.split("=")[0] == "demo.guidance_scale"]
     if bad:
         raise UserError(f"--rescore scores the exported model as it is: only demo.* settings (not "
                         f"demo.guidance_scale, given by --rescore) can change; got {bad}")
+    if not load_yaml(out / "recipe.yaml"):
+        raise UserError(f"{out}/recipe.yaml: empty, so it would read as the default recipe, not the one the demo "
+                        f"ran with; rerun `latentforge demo --out {out}` (with the demo's settings) to write it again")
+    pinned = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "demo.pinned_judge" and "=" in o]
+    if pinned and pinned[-1].strip():  # asked for by name: say so now if it is not there, used or not
+        _check_pinned_judge(load_recipe(str(out / "recipe.yaml"), overrides))
     with directory_lock(out, LOCK):  # not while the demo (or another rescore) works there
         return _rescore(out, guidance_scales, overrides, progress)
 

@@ -16,6 +16,12 @@ On several ranks the signal may reach one rank only: :meth:`StopOnSignal.agreed`
 ranks' requests with one all-reduce of a single number (``World.any_rank``), so that all ranks
 stop after the same step.
 
+A data-loading worker gets the signals too when they go to the whole process group (Ctrl-C in a
+terminal, ``timeout``, ``kill -- -PGID``) or to every process of a job: torch's workers die on
+SIGTERM, and the dying worker then raised in the middle of the parent's step. The workers therefore
+ignore the signals their parent is catching (:func:`ignore_in_worker`, their ``worker_init_fn``);
+the parent stops them itself when it stops.
+
 Python signal handlers can only be installed by the main thread; elsewhere (a Ray Train worker
 runs its loop in a thread) the job is stopped through a stop file instead, which the launcher
 creates when it receives the signal.
@@ -31,11 +37,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from latentforge.errors import Problems
 
-__all__ = ["EXIT_INTERRUPTED", "InterruptConfig", "StopOnSignal", "signal_number"]
+__all__ = ["EXIT_INTERRUPTED", "InterruptConfig", "StopOnSignal", "caught_signals", "ignore_in_worker",
+           "signal_number"]
 
 log = logging.getLogger(__name__)
 
@@ -184,3 +191,28 @@ class StopOnSignal:
             log.warning("%s took %.1f s, longer than interrupt.grace_seconds=%g s: a save on a signal may be "
                         "killed before it completes (the previous checkpoint is then kept)", what, seconds,
                         self.cfg.grace_seconds)
+
+
+def caught_signals() -> tuple[int, ...]:
+    """The signals this process routes to a :class:`StopOnSignal` now (none outside one)."""
+    out = []
+    for num in (int(s) for s in signal.valid_signals()):
+        if num in (int(signal.SIGKILL), int(signal.SIGSTOP)):
+            continue
+        try:
+            handler = signal.getsignal(num)
+        except (OSError, ValueError):
+            continue
+        if isinstance(getattr(handler, "__self__", None), StopOnSignal):
+            out.append(num)
+    return tuple(out)
+
+
+def ignore_in_worker(signals: Sequence[int], worker_id: int = 0) -> None:
+    """A data-loading worker's ``worker_init_fn`` (bound to its parent's :func:`caught_signals` with
+    ``functools.partial``, so that it also works with the "spawn" start method): ignore those
+    signals, so that one sent to the whole process group stops the parent at its next step and does
+    not kill the worker under it. The parent ends its workers when it stops; a worker whose parent
+    died exits by itself (torch checks every few seconds)."""
+    for num in signals:
+        signal.signal(num, signal.SIG_IGN)

@@ -34,7 +34,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from latentforge import storage
-from latentforge.data.loader import LoaderConfig, LoaderDataset, StreamConfig, collate_samples, open_dataset
+from latentforge.data.loader import LoaderConfig, LoaderDataset, StreamConfig, collate_samples, open_dataset, worker_init
 from latentforge.data.schema import DatasetIndex, parse_ndarray, read_index
 from latentforge.errors import ConfigError, UserError
 
@@ -264,7 +264,7 @@ class BucketLoader:
         loader = DataLoader(_Buckets(self.datasets), batch_sampler=_RoundSampler(self, self.rounds),
                             num_workers=workers, collate_fn=self.collate,
                             prefetch_factor=self.cfg.prefetch_factor if workers else None,
-                            pin_memory=self.cfg.pin_memory)
+                            pin_memory=self.cfg.pin_memory, worker_init_fn=worker_init(workers))
         return self._batches(loader, generation)
 
     def _batches(self, loader: DataLoader, generation: int) -> Iterator[Any]:

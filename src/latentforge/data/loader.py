@@ -21,6 +21,7 @@ both ahead of the workers, and evicts the least recently opened shards that no p
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import itertools
 import json
@@ -38,7 +39,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from latentforge import storage
+from latentforge import interrupt, storage
 from latentforge.data import order
 from latentforge.data.schema import EMPTY_PROMPT, DatasetIndex, ShardInfo, parse_ndarray, read_index
 from latentforge.errors import ConfigError, Problems, UserError
@@ -702,6 +703,7 @@ class TrainLoader:
             collate_fn=self.collate,
             prefetch_factor=self.cfg.prefetch_factor if workers else None,
             pin_memory=self.cfg.pin_memory,
+            worker_init_fn=worker_init(workers),
         )
         return self._batches(loader, generation)
 
@@ -723,6 +725,12 @@ class TrainLoader:
         """Stop the prefetch thread and end any iterator."""
         self._generation += 1
         self._prefetcher.stop()
+
+
+def worker_init(num_workers: int) -> Callable[[int], None] | None:
+    """The ``worker_init_fn`` of a DataLoader made now: its workers ignore the stop signals that this
+    process catches (:func:`latentforge.interrupt.ignore_in_worker`); None without workers."""
+    return functools.partial(interrupt.ignore_in_worker, interrupt.caught_signals()) if num_workers else None
 
 
 def _check_fingerprint(saved: Any, current: dict[str, Any]) -> None:

@@ -167,6 +167,13 @@ def run_bench(recipe, steps: int = 10, warmup: int = 2, synthetic: bool | None =
     if resolve_strategy(recipe.train.parallel, 1) != "none":
         raise UserError("bench: times one process; train.parallel asks for FSDP2 with CPU offload, which needs a "
                         "process group: time it with `latentforge train` under torchrun instead")
+    if recipe.train.lora is not None:  # was timed as a full training step of the from-scratch denoiser
+        raise UserError("bench: times full training steps of the recipe's denoiser, not LoRA adapters on a frozen one; "
+                        "leave train.lora out, or read a LoRA run's steps a second from `latentforge finetune`")
+    if recipe.train.init_from:
+        raise UserError("bench: times the recipe's denoiser shape with random weights and does not read "
+                        "train.init_from; leave it out (a full fine-tune's step costs the same when the recipe's "
+                        "unet.preset is the pipeline's shape)")
     have_data = _datasets_exist(recipe)
     if synthetic is None:
         synthetic = not have_data
