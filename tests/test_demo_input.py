@@ -50,7 +50,10 @@ def test_a_recipe_that_is_not_a_demo_recipe_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     # finetune-8gb ingests at 512 px: every 64 px render was rejected after the synth stage
     assert main(["demo", "--quiet", "--recipe", "finetune-8gb", "--out", str(tmp_path / "out")]) == 2
-    _one_error_line(capsys, "ingest.image.resolution: 512 px keeps images of at least 256 px")
+    _one_error_line(capsys, "ingest.image.resolution: 512 px (ingest.filters.min_side auto: half) keeps images of "
+                    "at least 256 px, and the demo renders its own at synth.image_size=64")
+    assert main(["demo", "--quiet", "--out", str(tmp_path / "out"), "ingest.filters.min_side=100"]) == 2
+    _one_error_line(capsys, "ingest.filters.min_side: 100 px keeps images of at least 100 px")
     assert main(["demo", "--quiet", "--out", str(tmp_path / "out"), "train.init_from=somewhere"]) == 2
     _one_error_line(capsys, "train.init_from / train.lora: the demo trains its denoiser from scratch")
     assert not (tmp_path / "out").exists()
@@ -107,7 +110,7 @@ def _fake_finished_demo(out: Path) -> Path:
 
 @pytest.mark.parametrize("scales", ["inf", "1e400", "nan", "0", "-1", ",", "2,,3", "2,2", "3,"])
 def test_rescore_refuses_scales_that_are_not_finite_and_positive(tmp_path, capsys, scales):
-    """inf was scored: NaN images, every figure 0%, exit 0; "2,,3" dropped its empty item and "2,2" scored 2 twice."""
+    """inf was scored: NaN images, every figure 0%, exit 0; "2,,3" dropped its empty item and "2,2" listed 2 twice."""
     out = _fake_finished_demo(tmp_path / "demo")
     assert main(["demo", "--quiet", "--out", str(out), "--rescore", scales]) == 2
     _one_error_line(capsys, "--rescore: ")

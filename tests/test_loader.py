@@ -7,6 +7,8 @@ import multiprocessing
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 import safetensors.numpy
 import torch
 
+import latentforge
 from latentforge import storage
 from latentforge.data import schema
 from latentforge.data.loader import (
@@ -143,8 +146,9 @@ def test_a_worker_outlives_a_stop_signal_sent_to_the_whole_process_group(tmp_pat
     """Ctrl-C, ``timeout`` and ``kill -- -PGID`` signal the data workers too. torch's workers died on
     SIGTERM, and the dead worker raised "DataLoader worker ... is killed by signal" in the middle of the
     parent's step: the demo stopped so in its VAE stage exited 1 with a traceback and no checkpoint. Under
-    a StopOnSignal the workers ignore the signals it catches (and do not print its message a second
-    time); the parent alone decides when to stop, and reads on until then."""
+    a StopOnSignal the workers ignore the signals it catches when another process sends them, and print
+    nothing (a forked worker printed the stop message a second time); the parent alone decides when to
+    stop, and reads on until then. SIGTERM from the parent still ends a worker, as torch's handler does."""
     assert caught_signals() == () and worker_init(0) is None
     loader = build_loader(config(tmp_path, latent_ds, num_workers=1), 25)
     before = set(multiprocessing.active_children())
@@ -155,14 +159,34 @@ def test_a_worker_outlives_a_stop_signal_sent_to_the_whole_process_group(tmp_pat
         first = next(batches)
         workers = [w for w in multiprocessing.active_children() if w not in before]
         assert len(workers) == 1
-        for num in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            os.kill(workers[0].pid, num)
+        for name in ("TERM", "INT", "USR1"):  # from another process, as a signal to the group comes
+            subprocess.run(["kill", f"-{name}", str(workers[0].pid)], check=True)
         workers[0].join(timeout=3)  # returns at once if the worker died
         assert workers[0].is_alive() and not stop.requested
         rest = [next(batches) for _ in range(8)]
+        workers[0].terminate()  # SIGTERM from the parent (torch's shutdown of a worker) still ends it
+        workers[0].join(timeout=30)
+        assert workers[0].exitcode == 0
     loader.close()
     assert keys_of([first, *rest]) == keys_of(take(build_loader(config(tmp_path, latent_ds), 25), 9))
     assert "received" not in capfd.readouterr().err
+
+
+def test_a_crash_with_a_loader_open_exits_and_does_not_wait_for_its_worker(tmp_path, latent_ds):
+    """After a crash the traceback holds the loader open, and at exit Python's multiprocessing sends
+    SIGTERM to the workers left and waits for them: workers that ignored every SIGTERM (the first
+    version of the fix above) hung the crashed command for ever instead of letting it exit 1."""
+    code = (f"from latentforge.data.loader import LoaderConfig, StreamConfig, build_loader\n"
+            f"from latentforge.interrupt import StopOnSignal\n"
+            f"loader = build_loader(LoaderConfig(datasets=[StreamConfig({str(latent_ds)!r})], "
+            f"cache_dir={str(tmp_path / 'cache')!r}, num_workers=1), 25)\n"
+            f"with StopOnSignal():\n"
+            f"    batches = iter(loader)\n"
+            f"    next(batches)\n"
+            f"    raise RuntimeError('a crash in the step')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(latentforge.__file__).parents[1])}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr.strip().endswith("RuntimeError: a crash in the step"), p.stderr[-2000:]
 
 
 @pytest.mark.parametrize("old,new", [((1, 30), (3, 10)), ((2, 12), (3, 7)), ((4, 5), (1, 16))])

@@ -139,10 +139,11 @@ def _check_before_work(recipe: Any, out_dir: str | Path) -> None:
                         "(`latentforge finetune` fine-tunes a pipeline)")
     min_side, _ = size_limits(recipe.ingest.filters, recipe.ingest.image)
     if recipe.synth.image_size < min_side:  # finetune-8gb: 64 px renders, 512 px ingest (was found after the synth)
-        raise UserError(f"ingest.image.resolution: {recipe.ingest.image.resolution} px keeps images of at least "
-                        f"{min_side} px (ingest.filters.min_side), and the demo renders its own at synth.image_size="
-                        f"{recipe.synth.image_size}: every one would be rejected (is this a demo recipe? the shipped "
-                        "one is tiny-cpu)")
+        why = (f"ingest.filters.min_side: {min_side} px" if recipe.ingest.filters.min_side != "auto" else
+               f"ingest.image.resolution: {recipe.ingest.image.resolution} px (ingest.filters.min_side auto: half)")
+        raise UserError(f"{why} keeps images of at least {min_side} px, and the demo renders its own at "
+                        f"synth.image_size={recipe.synth.image_size}: every one would be rejected (is this a demo "
+                        "recipe? the shipped one is tiny-cpu)")
     if recipe.demo.pinned_judge:
         _check_pinned_judge(recipe)
 

@@ -19,8 +19,8 @@ stop after the same step.
 A data-loading worker gets the signals too when they go to the whole process group (Ctrl-C in a
 terminal, ``timeout``, ``kill -- -PGID``) or to every process of a job: torch's workers die on
 SIGTERM, and the dying worker then raised in the middle of the parent's step. The workers therefore
-ignore the signals their parent is catching (:func:`ignore_in_worker`, their ``worker_init_fn``);
-the parent stops them itself when it stops.
+ignore the signals their parent is catching when another process sends them (:func:`ignore_in_worker`,
+their ``worker_init_fn``); the parent's own SIGTERM still ends them.
 
 Python signal handlers can only be installed by the main thread; elsewhere (a Ray Train worker
 runs its loop in a thread) the job is stopped through a stop file instead, which the launcher
@@ -211,8 +211,30 @@ def caught_signals() -> tuple[int, ...]:
 def ignore_in_worker(signals: Sequence[int], worker_id: int = 0) -> None:
     """A data-loading worker's ``worker_init_fn`` (bound to its parent's :func:`caught_signals` with
     ``functools.partial``, so that it also works with the "spawn" start method): ignore those
-    signals, so that one sent to the whole process group stops the parent at its next step and does
-    not kill the worker under it. The parent ends its workers when it stops; a worker whose parent
-    died exits by itself (torch checks every few seconds)."""
+    signals when anyone but the parent sends them, so that one sent to the whole process group stops
+    the parent at its next step and does not kill the worker under it.
+
+    SIGTERM from the parent still ends the worker, as torch's own handler does: the parent sends it
+    to a worker that did not exit when asked, and at its exit to every worker still alive (after a
+    crash, a traceback may hold a loader open). A worker that ignored it too would leave the parent
+    waiting for it for ever. So SIGTERM is blocked and taken by a thread that reads who sent it
+    (``sigwaitinfo``); where that call does not exist (macOS), torch's handler is left as it is. A
+    worker whose parent died exits by itself (torch checks every few seconds)."""
     for num in signals:
-        signal.signal(num, signal.SIG_IGN)
+        if num != signal.SIGTERM:
+            signal.signal(num, signal.SIG_IGN)
+        elif hasattr(signal, "sigwaitinfo"):
+            _sigterm_only_from(os.getppid())
+
+
+def _sigterm_only_from(parent: int) -> None:
+    """This process exits on SIGTERM from ``parent`` (exit code 0, as torch's worker handler does)
+    and ignores it from any other sender. Called before the process starts threads of its own, so
+    that they inherit the blocked mask and the waiting thread alone takes the signal."""
+    def take() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(0)
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=take, name="sigterm-from-parent", daemon=True).start()
