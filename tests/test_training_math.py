@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from latentforge.train.optim import OptimConfig, build_optimizer, lr_multiplier, orthogonalize
+from test_vae import raw, vae_config  # noqa: F401  (module fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -154,28 +155,14 @@ def test_measure_latent_std_is_the_population_std_of_the_sampled_latents():
     assert std == pytest.approx(2.0, rel=0.03)
 
 
-def _vae_cfg(raw_train: Path, cache: Path, steps: int):
-    from latentforge.data.loader import LoaderConfig, StreamConfig
-    from latentforge.train.vae import VAETrainConfig
-
-    cfg = VAETrainConfig(data=LoaderConfig(datasets=[StreamConfig(path=str(raw_train))], num_workers=0, seed=0,
-                                           cache_dir=str(cache)),
-                         steps=steps, batch_size=16, warmup_steps=10, scale_samples=16, log_every=1, seed=0)
-    cfg.model.block_out_channels = (8, 16)
-    cfg.model.norm_num_groups = 4
-    cfg.model.sample_size = 16
+def _vae_cfg(raw: dict[str, Path], steps: int):
+    """test_vae's tiny VAE run, logging every step."""
+    cfg = vae_config(raw, 0, steps=steps)
+    cfg.log_every = 1
     return cfg
 
 
-@pytest.fixture(scope="module")
-def raw16(tmp_path_factory):
-    from tiny_models import make_raw_dataset
-
-    root = tmp_path_factory.mktemp("vae_mut")
-    return make_raw_dataset(root / "train", 32, 16, num_shards=1), root / "cache"
-
-
-def test_train_vae_loss_is_reconstruction_plus_weighted_per_pixel_kl_of_a_posterior_sample(raw16, tmp_path,
+def test_train_vae_loss_is_reconstruction_plus_weighted_per_pixel_kl_of_a_posterior_sample(raw, tmp_path,
                                                                                           monkeypatch):
     """Catches planted bugs: the KL summed over the batch, not per pixel, its sign flipped, kl_weight
     ignored, the posterior sampled with var instead of std, or its mean decoded with no sample.
@@ -214,7 +201,7 @@ def test_train_vae_loss_is_reconstruction_plus_weighted_per_pixel_kl_of_a_poster
     monkeypatch.setattr(vae_module, "build_vae", build)
     monkeypatch.setattr(vae_module, "noise_latents", noise)
     monkeypatch.setattr(vae_module, "reconstruction_loss", rec_loss)
-    cfg = _vae_cfg(*raw16, steps=1)
+    cfg = _vae_cfg(raw, steps=1)
     cfg.kl_weight = 0.25
     metrics = vae_module.train_vae(cfg, tmp_path / "vae", progress=False)
 
@@ -233,7 +220,7 @@ class _StopAfterSchedule(Exception):
     pass
 
 
-def test_train_vae_lr_warms_up_then_follows_a_cosine_to_5_percent(raw16, tmp_path, monkeypatch):
+def test_train_vae_lr_warms_up_then_follows_a_cosine_to_5_percent(raw, tmp_path, monkeypatch):
     """Catches a planted bug (cosine down to 0 instead of 5%) and (warmup off by one). vae.lr's documented
     shape: linear warmup (step + 1) / warmup_steps, then 0.05 + 0.95 * (1 + cos(pi * progress)) / 2;
     constant after warmup when only max_seconds bounds the run. The LambdaLR's function is read
@@ -254,8 +241,8 @@ def test_train_vae_lr_warms_up_then_follows_a_cosine_to_5_percent(raw16, tmp_pat
     monkeypatch.setattr(torch.optim.lr_scheduler, "LambdaLR", Spy)
     monkeypatch.setattr(vae_module, "build_loader", stop)
     with pytest.raises(_StopAfterSchedule):
-        vae_module.train_vae(_vae_cfg(*raw16, steps=110), tmp_path / "a", progress=False)
-    cfg = _vae_cfg(*raw16, steps=0)
+        vae_module.train_vae(_vae_cfg(raw, steps=110), tmp_path / "a", progress=False)
+    cfg = _vae_cfg(raw, steps=0)
     cfg.max_seconds = 5.0
     with pytest.raises(_StopAfterSchedule):
         vae_module.train_vae(cfg, tmp_path / "b", progress=False)
@@ -268,7 +255,7 @@ def test_train_vae_lr_warms_up_then_follows_a_cosine_to_5_percent(raw16, tmp_pat
     assert timed(0) == pytest.approx(0.1) and timed(10) == timed(10**6) == 1.0
 
 
-def test_train_vae_clips_every_steps_gradient_norm_to_1(raw16, tmp_path, monkeypatch):
+def test_train_vae_clips_every_steps_gradient_norm_to_1(raw, tmp_path, monkeypatch):
     """Catches a planted bug (the VAE's gradient clipping removed): each of the 2 steps clips the global norm
     of all the VAE's gradients to 1 (the documented max norm), before the optimizer step."""
     from latentforge.train import vae as vae_module
@@ -285,7 +272,7 @@ def test_train_vae_clips_every_steps_gradient_norm_to_1(raw16, tmp_path, monkeyp
     built = []
     real_build = vae_module.build_vae
     monkeypatch.setattr(vae_module, "build_vae", lambda cfg: built.append(real_build(cfg)) or built[-1])
-    vae_module.train_vae(_vae_cfg(*raw16, steps=2), tmp_path / "vae", progress=False)
+    vae_module.train_vae(_vae_cfg(raw, steps=2), tmp_path / "vae", progress=False)
     assert calls == [(len(list(built[0].parameters())), 1.0)] * 2
 
 
